@@ -1,0 +1,31 @@
+# The two commands: `make run` and `make test`. Both create .venv when missing and
+# (re)install only when pyproject.toml or constraints.txt changed (a stamp keyed on them).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+DEPS_KEY := $(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+STAMP := $(VENV)/.installed-$(DEPS_KEY)
+PIP := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
+PYTEST_ARGS ?=
+
+.PHONY: venv run test clean-venv
+
+venv: $(STAMP)
+
+$(STAMP):
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing torch 2.13.0 (CPU build) first, then drmas[dev] into $(VENV)"
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev]'
+	@rm -f $(VENV)/.installed-*
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/drmas run configs/math_tiny.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,382 @@
+"""The math of drmas: advantages, reward diagnostics and the clipped policy loss.
+
+Pure functions, arrays in and arrays out; no I/O, no distributed state. Every stage and
+every trainer calls these, so that the algorithm lives in one place.
+
+Shape notation, used on every array line below:
+    N  rows: one row per LLM call by any agent (a trajectory has one or more rows)
+    T  trajectories (episodes, key ``traj_uid``); a GRPO group has G of them per prompt
+    U  prompt groups (key ``uid``)
+    K  agents
+    S  groups actually normalised over (U for ``grpo``, U*K for ``drmas``)
+    B  sequences in a micro-batch, L response tokens per sequence
+
+How Dr. MAS differs from multi-agent GRPO (arXiv 2602.08847):
+ 1. Every agent call is one training row. The episode's task reward R is copied to each of
+    its rows; a row whose output was malformed loses a penalty: ``score = R - c*(1-valid)``.
+ 2. GRPO (the paper's global baseline, Eq. 3): the group is the prompt (``uid``). Each
+    trajectory is ONE sample, the mean of its rows' scores; all rows of a trajectory get
+    that trajectory's normalised value, whichever agent made them.
+ 3. Dr. MAS (Eq. 5): the group is (``uid``, ``agent``) and every row is a sample, so the
+    statistics are action-weighted and each agent is centred and scaled by its own mean
+    mu_k and std sigma_k. Lemma 4.2 shows why: under the global baseline (mu, sigma) the
+    gradient second moment of agent k is multiplied by (sigma_k^2 + (mu_k - mu)^2)/sigma^2,
+    which explodes when an agent's reward distribution differs from the team's.
+ 4. Conventions kept from the reference code: unbiased std (N-1), ``eps`` added to the
+    std (not the variance), a singleton group has mean 0 and std 1 (so A = the raw score),
+    a constant group has A = 0, and ``scale_by_std=False`` only centres (Dr. GRPO style).
+ 5. The update is the PPO clipped objective with separate low/high clip ranges and a dual
+    clip for negative advantages, the row's advantage on every response token.
+
+Groups are uneven by construction (agents act a variable number of times), so everything
+below is a segment reduction over integer group codes: keys are factorised once, then
+``np.bincount`` does the sums. There is no loop over rows or groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+AdvantageMode = Literal["grpo", "drmas"]
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+
+__all__ = [
+    "AdvantageMode",
+    "AgentRewardStats",
+    "LossAggregation",
+    "agent_reward_stats",
+    "aggregate_loss",
+    "compute_advantages",
+    "factorize",
+    "low_var_kl",
+    "policy_loss",
+    "row_scores",
+]
+
+
+# --------------------------------------------------------------------------------------
+# Keys -> integer codes
+# --------------------------------------------------------------------------------------
+
+
+def factorize(keys: Any) -> tuple[np.ndarray, int]:
+    """Map a key column to dense int64 codes in [0, n) and return (codes, n).
+
+    Accepts what the stages hold: numpy arrays (integers, strings or objects), Python
+    lists, and Arrow arrays or chunked arrays, plain or dictionary-encoded (as Parquet
+    gives them with ``read_dictionary``). Strings are hashed by Arrow in C++, which is an
+    order of magnitude faster than sorting them with ``np.unique``.
+    """
+    if _is_arrow(keys):
+        return _factorize_arrow(keys)
+    array = np.asarray(keys)
+    if array.ndim != 1:
+        raise ValueError(f"a key column must be 1-D, got shape {array.shape}")
+    if array.dtype.kind in "iub":
+        uniques, codes = np.unique(array, return_inverse=True)
+        return codes.astype(np.int64, copy=False), len(uniques)
+    import pyarrow as pa  # noqa: PLC0415 - only string keys need Arrow's hash table
+
+    return _factorize_arrow(pa.array(array, type=pa.string()))
+
+
+def _is_arrow(obj: Any) -> bool:
+    return type(obj).__module__.startswith("pyarrow")
+
+
+def _factorize_arrow(column: Any) -> tuple[np.ndarray, int]:
+    import pyarrow as pa  # noqa: PLC0415
+
+    if isinstance(column, pa.ChunkedArray):
+        if pa.types.is_dictionary(column.type):
+            column = column.unify_dictionaries()
+        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    if not pa.types.is_dictionary(column.type):
+        column = column.dictionary_encode()
+    if column.null_count:
+        raise ValueError(f"a key column has {column.null_count} null value(s)")
+    codes = column.indices.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    return codes, len(column.dictionary)
+
+
+def _combine_codes(major: np.ndarray, minor: np.ndarray, n_minor: int) -> tuple[np.ndarray, int]:
+    """Codes of the pair (major, minor) without a sort: major * n_minor + minor.
+
+    Unused pairs leave empty bins, which cost memory only; when the product would be much
+    larger than the data, the codes are compacted instead.
+    """
+    n_major = int(major.max()) + 1 if len(major) else 0
+    combined = major * n_minor + minor  # [N]
+    if n_major * n_minor <= 4 * len(major) + 1024:
+        return combined, n_major * n_minor
+    uniques, codes = np.unique(combined, return_inverse=True)
+    return codes.astype(np.int64, copy=False), len(uniques)
+
+
+# --------------------------------------------------------------------------------------
+# Advantages
+# --------------------------------------------------------------------------------------
+
+
+def row_scores(reward: np.ndarray, is_valid: np.ndarray, penalty_coef: float) -> np.ndarray:
+    """score = R - coef * (1 - is_valid), per row: only the malformed call is penalised."""
+    reward = np.asarray(reward, dtype=np.float64)  # [N]
+    invalid = 1.0 - np.asarray(is_valid, dtype=np.float64)  # [N]
+    return reward - penalty_coef * invalid
+
+
+def compute_advantages(
+    score: np.ndarray,
+    uid: Any,
+    traj_uid: Any,
+    agent: Any,
+    mode: AdvantageMode,
+    eps: float = 1e-6,
+    scale_by_std: bool = True,
+) -> np.ndarray:
+    """Per-row advantages, float32 [N], for the global GRPO baseline or Dr. MAS.
+
+    ``grpo``: the sample of a trajectory is the mean of its rows' scores, normalised over
+    the trajectories of its ``uid``; every row gets its trajectory's value.
+    ``drmas``: every row is normalised over the rows of the same (``uid``, ``agent``).
+    """
+    score = np.asarray(score, dtype=np.float64)  # [N]
+    n_rows = len(score)
+    _check_lengths(n_rows, uid=uid, traj_uid=traj_uid, agent=agent)
+    if n_rows == 0:
+        return np.zeros(0, dtype=np.float32)
+    if not np.all(np.isfinite(score)):
+        bad = int(np.flatnonzero(~np.isfinite(score))[0])
+        raise ValueError(f"score is not finite at row {bad}: {score[bad]}")
+    uid_code, n_uid = factorize(uid)  # [N]
+    if mode == "grpo":
+        traj_code, n_traj = factorize(traj_uid)  # [N]
+        traj_uid_code = _group_of_segment(traj_code, uid_code, n_traj, traj_uid)  # [T]
+        traj_count = np.bincount(traj_code, minlength=n_traj)  # [T]
+        traj_score = np.bincount(traj_code, weights=score, minlength=n_traj) / traj_count  # [T]
+        traj_adv = _normalise_in_groups(traj_score, traj_uid_code, n_uid, eps, scale_by_std)
+        advantages = traj_adv[traj_code]  # [N]
+    elif mode == "drmas":
+        agent_code, n_agent = factorize(agent)  # [N]
+        group, n_group = _combine_codes(uid_code, agent_code, n_agent)  # [N], S
+        advantages = _normalise_in_groups(score, group, n_group, eps, scale_by_std)
+    else:
+        raise ValueError(f"unknown advantage mode {mode!r}; expected 'grpo' or 'drmas'")
+    return advantages.astype(np.float32)
+
+
+def _check_lengths(n_rows: int, **columns: Any) -> None:
+    for name, column in columns.items():
+        if len(column) != n_rows:
+            raise ValueError(f"{name} has {len(column)} rows but score has {n_rows}")
+
+
+def _group_of_segment(
+    segment: np.ndarray, group: np.ndarray, n_segments: int, segment_keys: Any
+) -> np.ndarray:
+    """The group of each segment (e.g. the uid of each trajectory), checked to be unique."""
+    group_of = np.empty(n_segments, dtype=np.int64)  # [T]
+    group_of[segment] = group
+    conflict = group_of[segment] != group  # [N]
+    if conflict.any():
+        row = int(np.flatnonzero(conflict)[0])
+        key = segment_keys[row] if not _is_arrow(segment_keys) else segment_keys[row].as_py()
+        raise ValueError(f"traj_uid {key!r} (row {row}) belongs to more than one uid")
+    return group_of
+
+
+def _normalise_in_groups(
+    values: np.ndarray, group: np.ndarray, n_groups: int, eps: float, scale_by_std: bool
+) -> np.ndarray:
+    """(v - mean_g) / (std_g + eps) with unbiased std; singleton groups get mean 0, std 1.
+
+    Two passes (mean, then squared deviations) rather than sum of squares, which loses
+    precision when rewards are large and nearly constant.
+    """
+    count = np.bincount(group, minlength=n_groups).astype(np.float64)  # [S]
+    mean = np.bincount(group, weights=values, minlength=n_groups) / np.maximum(count, 1)  # [S]
+    deviation = values - mean[group]  # [N]
+    sq_sum = np.bincount(group, weights=deviation * deviation, minlength=n_groups)  # [S]
+    std = np.sqrt(sq_sum / np.maximum(count - 1, 1))  # [S]
+    singleton = count == 1
+    mean[singleton] = 0.0
+    std[singleton] = 1.0
+    centred = values - mean[group]  # [N]
+    return centred / (std[group] + eps) if scale_by_std else centred
+
+
+# --------------------------------------------------------------------------------------
+# Reward diagnostics (Lemma 4.2)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AgentRewardStats:
+    """One agent's reward statistics against the global (team) statistics.
+
+    ``multiplier = variance_ratio + mean_mismatch = (sigma_k^2 + (mu_k - mu)^2) / sigma^2``
+    is the factor by which the global baseline scales agent k's gradient second moment
+    (Lemma 4.2). It is 1 for an agent whose rewards look like the team's; the row-weighted
+    average of the multipliers over agents is exactly 1 (population moments throughout).
+    """
+
+    agent: str
+    rows: int
+    mean: float
+    std: float
+    global_mean: float
+    global_std: float
+    variance_ratio: float
+    mean_mismatch: float
+    multiplier: float
+
+
+def agent_reward_stats(score: np.ndarray, agent: Any) -> dict[str, AgentRewardStats]:
+    """Per-agent mu_k, sigma_k and the Lemma 4.2 multiplier with its two terms.
+
+    Action-weighted: every row is a sample, for the agent and for the team. Moments are
+    population moments (divide by N), so that the lemma's identity holds exactly. When the
+    team's rewards are constant (sigma = 0) the ratios are undefined and reported as NaN.
+    """
+    score = np.asarray(score, dtype=np.float64)  # [N]
+    _check_lengths(len(score), agent=agent)
+    codes, n_agents = factorize(agent)  # [N], K
+    names = _code_names(agent, codes, n_agents)
+    global_mean = float(score.mean()) if len(score) else float("nan")
+    global_var = float(score.var()) if len(score) else float("nan")
+    count = np.bincount(codes, minlength=n_agents)  # [K]
+    mean_k = np.bincount(codes, weights=score, minlength=n_agents) / np.maximum(count, 1)  # [K]
+    deviation = score - mean_k[codes]  # [N]
+    var_k = np.bincount(codes, weights=deviation**2, minlength=n_agents) / np.maximum(count, 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        variance_ratio = var_k / global_var if global_var > 0 else np.full(n_agents, np.nan)
+        mismatch = (mean_k - global_mean) ** 2 / global_var if global_var > 0 else variance_ratio
+    return {
+        names[k]: AgentRewardStats(
+            agent=names[k],
+            rows=int(count[k]),
+            mean=float(mean_k[k]),
+            std=float(np.sqrt(var_k[k])),
+            global_mean=global_mean,
+            global_std=float(np.sqrt(global_var)),
+            variance_ratio=float(variance_ratio[k]),
+            mean_mismatch=float(mismatch[k]),
+            multiplier=float(variance_ratio[k] + mismatch[k]),
+        )
+        for k in range(n_agents)
+        if count[k] > 0
+    }
+
+
+def _code_names(keys: Any, codes: np.ndarray, n_codes: int) -> list[str]:
+    """The key of each code, read from the first row that has it."""
+    first_row = np.full(n_codes, -1, dtype=np.int64)
+    first_row[codes[::-1]] = np.arange(len(codes) - 1, -1, -1)
+    if _is_arrow(keys):
+        return [str(keys[int(r)].as_py()) if r >= 0 else "" for r in first_row]
+    keys = np.asarray(keys)
+    return [str(keys[r]) if r >= 0 else "" for r in first_row]
+
+
+# --------------------------------------------------------------------------------------
+# Policy loss (torch)
+# --------------------------------------------------------------------------------------
+
+
+def aggregate_loss(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    mode: LossAggregation = "token-mean",
+    num_tokens: float | None = None,
+) -> torch.Tensor:
+    """Reduce per-token values [B, L] under the response mask [B, L] to a scalar.
+
+    ``token-mean``: every token of the batch weighs the same. Pass ``num_tokens`` (the token
+    count of the whole mini-batch) when the batch is split into micro-batches, so that the
+    sum of the micro-batch losses equals the loss of the whole batch.
+    ``seq-mean-token-mean``: every sequence weighs the same (mean of per-sequence means).
+    ``seq-mean-token-sum``: the mean over sequences of per-sequence sums.
+    """
+    mask = mask.to(values.dtype)
+    if mode == "token-mean":
+        denominator = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens)
+        return (values * mask).sum() / denominator.clamp_min(1)
+    per_sequence = (values * mask).sum(dim=-1)  # [B]
+    if mode == "seq-mean-token-mean":
+        per_sequence = per_sequence / mask.sum(dim=-1).clamp_min(1)
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"unknown loss aggregation {mode!r}")
+    return per_sequence.mean()
+
+
+def low_var_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """The k3 estimator of KL(policy || reference), per token, clamped to [-10, 10].
+
+    exp(ref - logp) - (ref - logp) - 1: unbiased, always >= 0, low variance (Schulman).
+    """
+    log_ratio = (ref_logprobs - logprobs).clamp(-20.0, 20.0)  # [B, L]
+    return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    aggregation: LossAggregation = "token-mean",
+    num_tokens: float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The clipped PPO objective, with dual clip, optional KL and entropy terms.
+
+    ``logprobs``, ``old_logprobs``, ``response_mask`` and ``entropy`` are [B, L];
+    ``advantages`` is [B] (one value per row, put on every response token) or [B, L].
+    Returns the loss to minimise and its metrics (floats): ``pg_loss``, ``clipfrac``
+    (tokens where the clipped branch is taken), ``dual_clipfrac``, ``approx_kl``
+    (old vs current, k1), and ``kl`` / ``entropy`` when those terms are on.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)  # [B, 1] broadcasts over tokens
+    log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)  # [B, L]
+    ratio = torch.exp(log_ratio)  # [B, L]
+    unclipped = -advantages * ratio  # [B, L]
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)  # [B, L]
+    pessimistic = torch.maximum(unclipped, clipped)  # [B, L]
+    dual_clipped = torch.minimum(pessimistic, -advantages * clip_ratio_c)  # [B, L]
+    negative = (advantages < 0).expand_as(pessimistic)  # [B, L]
+    per_token = torch.where(negative, dual_clipped, pessimistic)  # [B, L]
+
+    def agg(values: torch.Tensor) -> torch.Tensor:
+        return aggregate_loss(values, response_mask, aggregation, num_tokens)
+
+    pg_loss = agg(per_token)
+    loss = pg_loss
+    with torch.no_grad():
+        metrics = {
+            "pg_loss": pg_loss.item(),
+            "clipfrac": aggregate_loss((clipped > unclipped).float(), response_mask).item(),
+            "dual_clipfrac": aggregate_loss(
+                (negative & (pessimistic > dual_clipped)).float(), response_mask
+            ).item(),
+            "approx_kl": aggregate_loss(-log_ratio, response_mask).item(),
+        }
+    if ref_logprobs is not None and kl_coef != 0.0:
+        kl = agg(low_var_kl(logprobs, ref_logprobs))
+        loss = loss + kl_coef * kl
+        metrics["kl"] = kl.item()
+    if entropy is not None and entropy_coef != 0.0:
+        mean_entropy = agg(entropy)
+        loss = loss - entropy_coef * mean_entropy
+        metrics["entropy"] = mean_entropy.item()
+    return loss, metrics

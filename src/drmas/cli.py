@@ -1,0 +1,109 @@
+"""The ``drmas`` command line.
+
+    drmas config CONFIG [a.b=value ...]   validate, print worker groups and the resolved JSON
+    drmas config --docs                   every config field with its documentation
+    drmas run CONFIG [a.b=value ...]      train (the embedded runner)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+
+from pydantic import BaseModel
+
+from drmas.config import ConfigError, DrmasConfig, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="drmas", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    config_cmd = commands.add_parser("config", help="validate a config and print it resolved")
+    config_cmd.add_argument("config", nargs="?", help="YAML config file")
+    config_cmd.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    config_cmd.add_argument("--docs", action="store_true", help="document every field")
+
+    run_cmd = commands.add_parser("run", help="train a team with the embedded runner")
+    run_cmd.add_argument("config", help="YAML config file")
+    run_cmd.add_argument("overrides", nargs="*", help="section.field=value overrides")
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "config":
+            return _config(args)
+        return _run(args)
+    except ConfigError as error:
+        print(f"drmas: {error}", file=sys.stderr)
+        return 2
+
+
+def _config(args: argparse.Namespace) -> int:
+    if args.docs:
+        print("\n".join(describe_fields(DrmasConfig)))
+        return 0
+    if not args.config:
+        print("drmas config: give a CONFIG file, or --docs", file=sys.stderr)
+        return 2
+    config = load_config(args.config, args.overrides)
+    _print_worker_groups(config)
+    print(config.to_json(indent=2))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    _print_worker_groups(config)
+    print(
+        "drmas run: the config is valid, but training is not built yet: the rollout stage "
+        "(agents, orchestras, engines on Ray), the update and checkpoint stages, and the "
+        "embedded runner land with the next issues. What exists: the config, the advantage "
+        "math (drmas.algos) and the artifact store (drmas.store)."
+    )
+    return 0
+
+
+def _print_worker_groups(config: DrmasConfig) -> None:
+    for group in config.worker_groups():
+        print(
+            f"worker group {group.name}: model {group.model}, agents {', '.join(group.agents)}, "
+            f"lr {group.lr}, micro-batch {group.micro_batch_size}"
+        )
+
+
+def describe_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """One line per field, 'section.field (type, default): docstring', recursively."""
+    lines = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        nested = _section_type(field.annotation)
+        if nested is not None:
+            lines.append(f"{path}: {field.description or ''}")
+            lines += describe_fields(nested, prefix=f"{path}{_container_suffix(field)}.")
+            continue
+        default = (
+            "required"
+            if field.is_required()
+            else f"default {field.get_default(call_default_factory=True)!r}"
+        )
+        kind = getattr(field.annotation, "__name__", str(field.annotation).replace("typing.", ""))
+        lines.append(f"{path} ({kind}, {default}): {(field.description or '').replace(chr(10), ' ')}")
+    return lines
+
+
+def _section_type(annotation: typing.Any) -> type[BaseModel] | None:
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _container_suffix(field: typing.Any) -> str:
+    """'[]' for a list of sections, '.<name>' for a mapping of them."""
+    origin = typing.get_origin(field.annotation)
+    return "[]" if origin is list else ".<name>" if origin is dict else ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

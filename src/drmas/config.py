@@ -1,0 +1,677 @@
+"""One typed config for a drmas run: YAML in, overrides on the command line, JSON out.
+
+    cfg = load_config("configs/math_tiny.yaml", ["algorithm.advantage=grpo", "agents.solver.lr=1e-5"])
+    cfg.worker_groups()      # which agents share which model, with each group's settings
+    cfg.to_json()            # the resolved config: the KFP parameter and the MLflow params
+
+Every field has a docstring (it is the reference documentation: ``drmas config --help``
+prints it). Bad input raises :class:`ConfigError`, which lists every problem at once, each
+naming the field: unknown keys (with a did-you-mean), wrong types, out-of-range values,
+impossible combinations. Secrets never live here: S3 and MLflow credentials come from the
+environment only, so the resolved config can be logged and stored as it is.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from drmas.registry import orchestra_agents
+
+__all__ = [
+    "AgentConfig",
+    "ConfigError",
+    "DrmasConfig",
+    "WorkerGroup",
+    "apply_overrides",
+    "load_config",
+]
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
+"""Names that appear in paths and metric keys (agents, worker groups, experiments)."""
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; ``problems`` holds one message per problem."""
+
+    def __init__(self, problems: list[str], source: str | None = None) -> None:
+        self.problems = problems
+        where = f" in {source}" if source else ""
+        lines = "\n".join(f"  - {problem}" for problem in problems)
+        super().__init__(f"invalid config{where} ({len(problems)} problem(s)):\n{lines}")
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, docstrings are docs."""
+
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------
+
+
+class ExperimentConfig(Section):
+    name: str = Field("drmas", pattern=NAME_PATTERN)
+    """Experiment name: the MLflow experiment and the first folder under the store root."""
+    run_id: str | None = Field(None, pattern=NAME_PATTERN)
+    """Run id (folder under the experiment). Unset: a new id is made at start."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation; a stage is deterministic given it."""
+    iterations: int = Field(10, ge=1)
+    """RL iterations (rollout, advantage, update, checkpoint, evaluate when due)."""
+
+
+class TaskConfig(Section):
+    name: Literal["math", "search"] = "math"
+    """The task: its data loader, reward and default orchestra."""
+    orchestra: str | None = None
+    """Orchestra driving the agents: a built-in name (math, search) or an import path
+    'package.module:ClassName'. Unset: the task's own orchestra."""
+    max_loops: int = Field(2, ge=1)
+    """math: at most this many Solver calls per episode (a Verifier runs between them)."""
+    max_turns: int = Field(4, ge=1)
+    """search: at most this many Verifier turns per episode."""
+    retrieval_top_k: int = Field(3, ge=1)
+    """search: passages returned per query."""
+
+    @property
+    def orchestra_name(self) -> str:
+        return self.orchestra or self.name
+
+
+class DataConfig(Section):
+    train: str = "generated:arithmetic"
+    """Training prompts: a JSONL or Parquet file (local or s3://), or 'generated:NAME' for a
+    set that ships with drmas."""
+    eval: str = "generated:arithmetic"
+    """Evaluation prompts, same forms as ``train`` (a generated set uses its eval split)."""
+    question_field: str = "question"
+    """Column holding the question text."""
+    answer_field: str = "answer"
+    """Column holding the gold answer (a string, or a list of accepted strings)."""
+    data_source_field: str = "data_source"
+    """Column naming each row's source (eval metrics are also reported per source)."""
+    corpus: str | None = None
+    """search: JSONL corpus of passages; unset uses the generated corpus."""
+    generated_train_size: int = Field(2000, ge=1)
+    """Questions in a generated training set."""
+    generated_eval_size: int = Field(200, ge=1)
+    """Questions in a generated eval set."""
+
+
+class ModelSpec(Section):
+    source: str = "scratch"
+    """'scratch' builds a small model from the fields below (with a tokenizer trained on the
+    task's text); anything else is a Hugging Face hub id or a local folder in HF layout."""
+    architecture: Literal["qwen3", "llama"] = "qwen3"
+    """Architecture of a model built from scratch."""
+    hidden_size: int = Field(128, ge=8)
+    """Scratch models: hidden size."""
+    num_layers: int = Field(4, ge=1)
+    """Scratch models: decoder layers."""
+    num_heads: int = Field(4, ge=1)
+    """Scratch models: attention heads."""
+    num_kv_heads: int = Field(2, ge=1)
+    """Scratch models: key/value heads (grouped-query attention)."""
+    intermediate_size: int = Field(512, ge=8)
+    """Scratch models: MLP width."""
+    vocab_size: int = Field(512, ge=64)
+    """Scratch models: tokenizer vocabulary size."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype for training and rollout."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelSpec:
+        if self.source == "scratch":
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
+                )
+            if self.num_heads % self.num_kv_heads:
+                raise ValueError(
+                    f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}"
+                )
+        return self
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature; 0 is greedy."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling; 0 switches it off."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Most tokens one agent call may generate."""
+
+
+SAMPLING_FIELDS = tuple(SamplingConfig.model_fields)
+"""Sampling fields an agent may override for itself (also when it shares a model)."""
+WORKER_GROUP_FIELDS = ("lr", "micro_batch_size", "warmup_steps")
+"""Training fields an agent may override; agents sharing a worker group must agree."""
+
+
+class AgentConfig(Section):
+    name: str = Field(pattern=NAME_PATTERN)
+    """The agent's role, as its orchestra names it (e.g. solver, verifier)."""
+    model: str
+    """A key of ``models``, or a Hugging Face hub id or local folder."""
+    lr: float | None = Field(None, gt=0.0)
+    """Learning rate for this agent's worker group (default: train.lr)."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Rows per micro-batch for this agent's worker group (default: train.micro_batch_size)."""
+    warmup_steps: int | None = Field(None, ge=0)
+    """Linear lr warm-up steps for this agent's worker group (default: train.warmup_steps)."""
+    temperature: float | None = Field(None, ge=0.0)
+    """Sampling temperature for this agent's calls (default: rollout.sampling)."""
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    """Nucleus sampling mass for this agent's calls (default: rollout.sampling)."""
+    top_k: int | None = Field(None, ge=0)
+    """Top-k for this agent's calls (default: rollout.sampling)."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Token limit for this agent's calls (default: rollout.sampling)."""
+
+
+class WorkersConfig(Section):
+    sharing: Literal["none", "by_model"] = "by_model"
+    """How agents map to worker groups (trainable models): 'none' gives every agent its own
+    copy, 'by_model' lets agents naming the same model share one. Ignored when ``groups``
+    is set."""
+    groups: dict[str, list[str]] | None = None
+    """Explicit map from worker-group name to its agents; the agents of a group must name
+    the same model, and every agent must be in exactly one group."""
+
+
+class AlgorithmConfig(Section):
+    advantage: Literal["drmas", "grpo"] = "drmas"
+    """'drmas': agent-wise normalisation over (uid, agent), every call a sample. 'grpo': the
+    global baseline over uid, one sample per trajectory (its rows' mean score)."""
+    eps: float = Field(1e-6, ge=0.0)
+    """Added to the group std before dividing."""
+    scale_by_std: bool = True
+    """Divide by the group std (False: only subtract the group mean, Dr. GRPO style)."""
+    invalid_penalty: float = Field(0.1, ge=0.0)
+    """Subtracted from the score of each call whose output was malformed."""
+    clip_ratio_low: float = Field(0.2, gt=0.0, lt=1.0)
+    """PPO clip range below 1 (ratio >= 1 - clip_ratio_low)."""
+    clip_ratio_high: float = Field(0.2, gt=0.0)
+    """PPO clip range above 1 (ratio <= 1 + clip_ratio_high; DAPO uses 0.28)."""
+    clip_ratio_c: float = Field(3.0, gt=1.0)
+    """Dual-clip bound on the loss of negative-advantage tokens."""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = (
+        "token-mean"
+    )
+    """How token losses are reduced to the batch loss."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of the low-variance KL to a frozen reference (0: no reference model kept)."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Weight of the entropy bonus."""
+
+
+class RolloutConfig(Section):
+    group_size: int = Field(8, ge=1)
+    """Episodes per prompt (the GRPO group, key uid); at least 2 for a baseline."""
+    prompts_per_iteration: int = Field(16, ge=1)
+    """Prompts drawn per iteration; an iteration rolls out prompts * group_size episodes."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """Default sampling for every agent call (agents may override fields)."""
+    max_prompt_tokens: int = Field(1024, ge=16)
+    """Prompts longer than this are truncated in the middle."""
+    engine: Literal["hf", "sglang"] = "hf"
+    """Rollout engine: transformers on CPU, or SGLang on GPUs (the gpu image)."""
+
+
+class TrainConfig(Section):
+    backend: Literal["torch", "deepspeed"] = "torch"
+    """Training engine per worker group."""
+    zero_stage: int = Field(0, ge=0, le=3)
+    """DeepSpeed ZeRO stage."""
+    lr: float = Field(1e-6, gt=0.0)
+    """Learning rate (agents may override it for their worker group)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear lr warm-up, in optimizer steps."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Rows per micro-batch (gradient accumulation fills the mini-batch)."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Token budget per micro-batch; set, it packs rows by tokens instead of by count."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Clip the global gradient norm to this value."""
+    updates_per_iteration: int = Field(1, ge=1)
+    """Optimizer steps per worker group per iteration, whatever its row count."""
+    recompute_old_logprobs: bool = False
+    """Recompute the old policy's log-probs before updating instead of trusting the
+    rollout engine's (costs one forward pass; removes engine/trainer mismatch)."""
+
+
+class EvalConfig(Section):
+    every: int = Field(0, ge=0)
+    """Evaluate every this many iterations (and after the last); 0 never evaluates."""
+    k: int = Field(4, ge=1)
+    """Samples per eval question (avg@k, pass@k)."""
+    sampling: SamplingConfig = Field(
+        default_factory=lambda: SamplingConfig(temperature=0.6, top_p=0.95)
+    )
+    """Sampling for evaluation."""
+    max_questions: int | None = Field(None, ge=1)
+    """Evaluate on at most this many questions of the eval set."""
+
+
+class StoreConfig(Section):
+    root: str = "./runs"
+    """Artifact root: a local folder or s3://bucket/prefix."""
+    endpoint: str | None = None
+    """S3 endpoint URL (MinIO, SeaweedFS); unset: $DRMAS_S3_ENDPOINT, then $AWS_ENDPOINT_URL,
+    then AWS. Credentials come from the environment (AWS_ACCESS_KEY_ID, ...), never here."""
+    region: str = "us-east-1"
+    """S3 region."""
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint_is_a_url_without_secrets(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not re.match(r"^https?://[^/@\s]+(:\d+)?/?$", value):
+            raise ValueError(
+                "must look like http(s)://host:port, with no credentials or path in it "
+                "(put credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
+            )
+        return value
+
+
+class TrackingConfig(Section):
+    uri: str = "sqlite:///mlflow.db"
+    """MLflow tracking URI: sqlite:///path.db (embedded) or http(s)://server."""
+    experiment: str | None = None
+    """MLflow experiment name; unset: experiment.name."""
+
+
+class RayConfig(Section):
+    address: str | None = None
+    """Ray cluster to join (e.g. ray://head-svc:10001 for KubeRay); unset starts a local Ray."""
+    pool_resource: str = "pool_slot"
+    """Ray resource standing for one accelerator of the shared pool ('GPU' on a cluster)."""
+    pool_size: int = Field(1, ge=1)
+    """Accelerators in the pool that all worker groups share."""
+    max_resident: int = Field(1, ge=1)
+    """Worker groups whose weights may be resident in the pool at once."""
+
+
+class DrmasConfig(Section):
+    """The whole run. Sections are documented field by field."""
+
+    experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
+    """Names, seed and length of the run."""
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    """What the team solves and how it is orchestrated."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Where prompts, answers and corpora come from."""
+    models: dict[str, ModelSpec] = {}
+    """Named model specs that agents refer to by key."""
+    agents: list[AgentConfig] = Field(min_length=1)
+    """The team: one entry per agent role of the orchestra."""
+    workers: WorkersConfig = Field(default_factory=WorkersConfig)
+    """Which agents share a trainable model."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """Advantage estimator and loss."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Group size, batch and sampling of the rollout."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """The per-worker-group update."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Periodic evaluation."""
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    """The artifact store."""
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    """MLflow."""
+    ray: RayConfig = Field(default_factory=RayConfig)
+    """The Ray cluster and the shared device pool."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DrmasConfig:
+        problems = self._agent_problems() + self._worker_group_problems()
+        if self.rollout.group_size < 2:
+            problems.append(
+                f"rollout.group_size: is {self.rollout.group_size}, but advantage "
+                f"'{self.algorithm.advantage}' normalises within a group of episodes of one "
+                "prompt and needs at least 2 (a group of 1 has no baseline)"
+            )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def _agent_problems(self) -> list[str]:
+        try:
+            expected = orchestra_agents(self.task.orchestra_name)
+        except ValueError as error:
+            return [f"task.orchestra: {error}"]
+        problems = []
+        names = [agent.name for agent in self.agents]
+        for index, name in enumerate(names):
+            if names.index(name) != index:
+                problems.append(f"agents[{index}].name: agent {name!r} is listed twice")
+            elif name not in expected:
+                problems.append(
+                    f"agents[{index}].name: orchestra {self.task.orchestra_name!r} has no agent "
+                    f"{name!r}{_did_you_mean(name, expected)} (its agents: {', '.join(expected)})"
+                )
+        problems += [
+            f"agents: orchestra {self.task.orchestra_name!r} needs agent {name!r}, which is "
+            "not configured"
+            for name in expected
+            if name not in names
+        ]
+        for index, agent in enumerate(self.agents):
+            if agent.model not in self.models and _looks_local(agent.model):
+                if not Path(agent.model).expanduser().exists():
+                    problems.append(
+                        f"agents[{index}].model: {agent.model!r} is neither a key of models "
+                        f"({', '.join(self.models) or 'none defined'}) nor an existing folder"
+                    )
+        return problems
+
+    def _worker_group_problems(self) -> list[str]:
+        try:
+            groups = self._group_agents()
+        except ValueError as error:
+            return [str(error)]
+        problems = []
+        for wg_name, members in groups.items():
+            for field in WORKER_GROUP_FIELDS:
+                values = {agent.name: self._agent_value(agent, field) for agent in members}
+                if len(set(values.values())) > 1:
+                    listed = ", ".join(f"{name}={value}" for name, value in values.items())
+                    problems.append(
+                        f"agents: {field} differs between agents that share worker group "
+                        f"{wg_name!r} ({listed}); give them the same {field} or separate "
+                        "worker groups (workers.sharing: none)"
+                    )
+        return problems
+
+    def _group_agents(self) -> dict[str, list[AgentConfig]]:
+        """Worker-group name -> its agents, in config order."""
+        by_name = {agent.name: agent for agent in self.agents}
+        if self.workers.groups is not None:
+            return self._explicit_groups(by_name)
+        if self.workers.sharing == "none":
+            return {agent.name: [agent] for agent in self.agents}
+        by_model: dict[str, list[AgentConfig]] = {}
+        for agent in self.agents:
+            by_model.setdefault(agent.model, []).append(agent)
+        return {"-".join(a.name for a in members): members for members in by_model.values()}
+
+    def _explicit_groups(self, by_name: dict[str, AgentConfig]) -> dict[str, list[AgentConfig]]:
+        problems, seen = [], {}
+        for wg_name, agent_names in (self.workers.groups or {}).items():
+            if not re.match(NAME_PATTERN, wg_name):
+                problems.append(f"workers.groups: {wg_name!r} is not a valid worker-group name")
+            for name in agent_names:
+                if name not in by_name:
+                    problems.append(
+                        f"workers.groups.{wg_name}: unknown agent {name!r}"
+                        f"{_did_you_mean(name, list(by_name))}"
+                    )
+                elif name in seen:
+                    problems.append(
+                        f"workers.groups: agent {name!r} is in both {seen[name]!r} and {wg_name!r}"
+                    )
+                else:
+                    seen[name] = wg_name
+            models = {by_name[n].model for n in agent_names if n in by_name}
+            if len(models) > 1:
+                problems.append(
+                    f"workers.groups.{wg_name}: its agents name different models "
+                    f"({', '.join(sorted(models))}); a worker group is one model"
+                )
+        problems += [
+            f"workers.groups: agent {name!r} is in no worker group"
+            for name in by_name
+            if name not in seen
+        ]
+        if problems:
+            raise ValueError("\n".join(problems))
+        return {wg: [by_name[n] for n in names] for wg, names in self.workers.groups.items()}
+
+    def _agent_value(self, agent: AgentConfig, field: str) -> Any:
+        value = getattr(agent, field)
+        if value is not None:
+            return value
+        return getattr(self.rollout.sampling if field in SAMPLING_FIELDS else self.train, field)
+
+    # ----------------------------------------------------------------------------------
+    # Resolved views
+    # ----------------------------------------------------------------------------------
+
+    def worker_groups(self) -> list[WorkerGroup]:
+        """The trainable models of this run, each with its agents and resolved settings."""
+        groups = []
+        for wg_name, members in self._group_agents().items():
+            first = members[0]
+            groups.append(
+                WorkerGroup(
+                    name=wg_name,
+                    model=first.model,
+                    spec=self.models.get(first.model),
+                    agents=tuple(agent.name for agent in members),
+                    lr=self._agent_value(first, "lr"),
+                    micro_batch_size=self._agent_value(first, "micro_batch_size"),
+                    warmup_steps=self._agent_value(first, "warmup_steps"),
+                )
+            )
+        return groups
+
+    def agent_to_worker_group(self) -> dict[str, str]:
+        """Agent name -> worker-group name."""
+        return {agent: wg.name for wg in self.worker_groups() for agent in wg.agents}
+
+    def agent_sampling(self, agent_name: str) -> SamplingConfig:
+        """The rollout sampling of one agent: rollout.sampling with its overrides."""
+        agent = next(a for a in self.agents if a.name == agent_name)
+        return SamplingConfig(**{f: self._agent_value(agent, f) for f in SAMPLING_FIELDS})
+
+    def to_json(self, indent: int | None = None) -> str:
+        """The resolved config (every default filled in): loads back to an equal config."""
+        return self.model_dump_json(indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> DrmasConfig:
+        """Load a resolved config (e.g. the KFP parameter), with the same checks as YAML."""
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as error:
+            raise ConfigError(_explain(error)) from None
+
+    def flat_params(self) -> dict[str, str]:
+        """'section.field' -> value as text, for MLflow params."""
+        return _flatten(json.loads(self.to_json()))
+
+
+@dataclass(frozen=True)
+class WorkerGroup:
+    """One trainable model: its agents and the settings that its optimizer and engine use."""
+
+    name: str
+    model: str
+    spec: ModelSpec | None
+    agents: tuple[str, ...]
+    lr: float
+    micro_batch_size: int
+    warmup_steps: int
+
+
+# --------------------------------------------------------------------------------------
+# Loading, overrides and error messages
+# --------------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> DrmasConfig:
+    """Read YAML (or start empty), apply ``a.b.c=value`` overrides, validate."""
+    source = str(path) if path is not None else "overrides"
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = _read_yaml(Path(path))
+    raw = apply_overrides(raw, overrides)
+    try:
+        return DrmasConfig.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError(_explain(error), source) from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError([f"config file {path} does not exist"], str(path))
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ConfigError([f"cannot parse YAML: {error}"], str(path)) from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError([f"the top level must be a mapping, got {type(raw).__name__}"], str(path))
+    return raw
+
+
+def apply_overrides(raw: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a copy of ``raw``.
+
+    In a list, a path part is an index (``agents.0.lr``) or the ``name`` of an element
+    (``agents.solver.lr``). Missing mappings are created; validation then rejects keys
+    that do not exist, with a did-you-mean.
+    """
+    result = json.loads(json.dumps(raw))  # a deep copy with plain types
+    problems = []
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        if not sep or not key.strip():
+            problems.append(f"override {override!r} must look like section.field=value")
+            continue
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+            _set_path(result, key.strip().split("."), value)
+        except (yaml.YAMLError, ValueError) as error:
+            problems.append(f"override {override!r}: {error}")
+    if problems:
+        raise ConfigError(problems, "overrides")
+    return result
+
+
+def _set_path(node: Any, parts: list[str], value: Any) -> None:
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        where = ".".join(parts[: depth + 1])
+        if isinstance(node, list):
+            index = _list_index(node, part, where)
+            if last:
+                node[index] = value
+            node = node[index]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                node = node.setdefault(part, {})
+        else:
+            raise ValueError(f"{where} is inside a value, not a section")
+
+
+def _list_index(items: list[Any], part: str, where: str) -> int:
+    if part.isdigit() and int(part) < len(items):
+        return int(part)
+    for index, item in enumerate(items):
+        if isinstance(item, dict) and item.get("name") == part:
+            return index
+    raise ValueError(f"{where}: no element with index or name {part!r}")
+
+
+def _explain(error: ValidationError) -> list[str]:
+    """One readable line per pydantic error, naming the field."""
+    problems = []
+    for item in error.errors():
+        loc = item["loc"]
+        path = _dotted(loc)
+        if item["type"] == "extra_forbidden":
+            parent_fields = _fields_at(loc[:-1])
+            hint = _did_you_mean(str(loc[-1]), parent_fields)
+            problems.append(f"{path}: unknown key{hint}")
+        elif item["type"] == "value_error":
+            message = item["msg"].removeprefix("Value error, ")
+            problems += [
+                line if not path or line.startswith(path) else f"{path}: {line}"
+                for line in message.split("\n")
+            ]
+        else:
+            shown = repr(item.get("input"))
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            problems.append(f"{path or '(top level)'}: {item['msg']} (got {shown})")
+    return problems
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the section that ``loc`` points into, for did-you-mean."""
+    annotation: Any = DrmasConfig
+    for part in loc:
+        annotation = _unwrap(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            field = annotation.model_fields.get(str(part))
+            if field is None:
+                return []
+            annotation = field.annotation
+        else:
+            args = typing.get_args(annotation)
+            annotation = args[-1] if args else None
+    annotation = _unwrap(annotation)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return list(annotation.model_fields)
+    return []
+
+
+def _unwrap(annotation: Any) -> Any:
+    """X | None -> X."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        options = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return options[0] if len(options) == 1 else annotation
+    return annotation
+
+
+def _did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _looks_local(model: str) -> bool:
+    return model.startswith(("/", "./", "../", "~"))
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, str]:
+    if isinstance(node, dict) and node:
+        flat: dict[str, str] = {}
+        for key, value in node.items():
+            flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    if isinstance(node, list) and node and all(isinstance(item, dict) for item in node):
+        flat = {}
+        for index, item in enumerate(node):
+            label = item.get("name", index)
+            flat.update(_flatten(item, f"{prefix}.{label}"))
+        return flat
+    return {prefix: json.dumps(node) if not isinstance(node, str) else node}

@@ -1,0 +1,39 @@
+"""Builders of small, valid test data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from drmas.schema import TRAJECTORY_SCHEMA
+
+
+def trajectory_table(rows: int = 6, seed: int = 0) -> pa.Table:
+    """A schema-valid trajectories table: 2 prompts x 3 episodes, solver/verifier calls."""
+    rng = np.random.default_rng(seed)
+    index = np.arange(rows)
+    agents = np.where(index % 2 == 0, "solver", "verifier")
+    lengths = rng.integers(1, 6, size=rows)
+    return pa.table(
+        {
+            "run_id": ["run-test"] * rows,
+            "iteration": np.zeros(rows, dtype=np.int32),
+            "uid": [f"p{i // 6}" for i in index],
+            "traj_uid": [f"p{i // 6}-t{(i // 2) % 3}" for i in index],
+            "sample_idx": ((index // 2) % 3).astype(np.int32),
+            "data_source": ["arithmetic"] * rows,
+            "env_step": np.ones(rows, dtype=np.int32),
+            "call_idx": (index % 2).astype(np.int32),
+            "agent": agents,
+            "wg": agents,
+            "prompt_ids": [list(range(3)) for _ in index],
+            "response_ids": [list(range(n)) for n in lengths],
+            "rollout_logprobs": [[-0.5] * n for n in lengths],
+            "response_text": ["\\boxed{4}"] * rows,
+            "is_valid": index % 3 != 0,
+            "finish_reason": ["stop"] * rows,
+            "reward": (index // 2 % 2).astype(np.float32),
+            "success": index // 2 % 2 == 1,
+        },
+        schema=TRAJECTORY_SCHEMA,
+    )
