@@ -206,7 +206,10 @@ def _normalise_in_groups(
     mean[singleton] = 0.0
     std[singleton] = 1.0
     centred = values - mean[group]  # [N]
-    return centred / (std[group] + eps) if scale_by_std else centred
+    if not scale_by_std:
+        return centred
+    denominator = std[group] + eps  # [N]; 0 only for a constant group with eps = 0
+    return np.divide(centred, denominator, out=np.zeros_like(centred), where=denominator > 0)
 
 
 # --------------------------------------------------------------------------------------

@@ -560,13 +560,23 @@ def apply_overrides(raw: dict[str, Any], overrides: typing.Iterable[str]) -> dic
             problems.append(f"override {override!r} must look like section.field=value")
             continue
         try:
-            value = yaml.safe_load(text) if text.strip() else None
+            value = _parse_value(text)
             _set_path(result, key.strip().split("."), value)
         except (yaml.YAMLError, ValueError) as error:
             problems.append(f"override {override!r}: {error}")
     if problems:
         raise ConfigError(problems, "overrides")
     return result
+
+
+def _parse_value(text: str) -> Any:
+    """YAML, except that '1e-5' is a number (PyYAML's YAML 1.1 reads it as a string)."""
+    if not text.strip():
+        return None
+    value = yaml.safe_load(text)
+    if isinstance(value, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value.strip()):
+        return float(value)
+    return value
 
 
 def _set_path(node: Any, parts: list[str], value: Any) -> None:

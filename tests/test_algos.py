@@ -1,0 +1,319 @@
+"""drmas.algos: hand-derived numbers (derivations in comments) and properties vs an oracle."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oracle import loop_advantages
+
+from drmas.algos import (
+    agent_reward_stats,
+    aggregate_loss,
+    compute_advantages,
+    factorize,
+    low_var_kl,
+    policy_loss,
+    row_scores,
+)
+
+# The worked example of DESIGN.md / the reference report: one prompt, three trajectories.
+#   t1: solver, verifier         R=1
+#   t2: solver, solver, verifier R=0
+#   t3: solver, verifier         R=1
+UID = ["p"] * 7
+TRAJ = ["t1", "t1", "t2", "t2", "t2", "t3", "t3"]
+AGENT = ["solver", "verifier", "solver", "solver", "verifier", "solver", "verifier"]
+REWARD = np.array([1, 1, 0, 0, 0, 1, 1], dtype=np.float64)
+
+
+def test_worked_example_grpo():
+    # Trajectory values [1, 0, 1]: mean 2/3, unbiased std sqrt(((1/3)^2*2 + (2/3)^2)/2)
+    # = sqrt(1/3) = 0.57735. A(t1)=A(t3) = (1/3)/0.57735 = +0.57735, A(t2) = -1.15470,
+    # the same on every row of a trajectory, solver and verifier alike.
+    advantages = compute_advantages(REWARD, UID, TRAJ, AGENT, "grpo")
+    expected = [0.57735, 0.57735, -1.15470, -1.15470, -1.15470, 0.57735, 0.57735]
+    np.testing.assert_allclose(advantages, expected, atol=1e-4)
+    assert advantages.dtype == np.float32
+
+
+def test_worked_example_drmas():
+    # Solver rows [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735,
+    # so A = +-0.5 / 0.57735 = +-0.86603. Verifier rows [1, 0, 1] are the GRPO numbers.
+    advantages = compute_advantages(REWARD, UID, TRAJ, AGENT, "drmas")
+    expected = [0.86603, 0.57735, -0.86603, -0.86603, -1.15470, 0.86603, 0.57735]
+    np.testing.assert_allclose(advantages, expected, atol=1e-4)
+
+
+def test_penalty_hits_only_the_invalid_call_under_drmas_but_spreads_under_grpo():
+    # t1's verifier call is malformed: score 1 - 0.1 = 0.9.
+    valid = np.array([1, 0, 1, 1, 1, 1, 1], dtype=bool)
+    score = row_scores(REWARD, valid, penalty_coef=0.1)
+    np.testing.assert_allclose(score, [1, 0.9, 0, 0, 0, 1, 1])
+    drmas = compute_advantages(score, UID, TRAJ, AGENT, "drmas")
+    # Solver rows are untouched by the verifier's penalty.
+    np.testing.assert_allclose(drmas[[0, 2, 3, 5]], [0.86603, -0.86603, -0.86603, 0.86603], atol=1e-4)
+    # Verifier rows [0.9, 0, 1]: mean 0.63333, std sqrt((0.26667^2+0.63333^2+0.36667^2)/2)
+    # = sqrt((0.071111+0.401111+0.134444)/2) = 0.55076; (0.9-0.63333)/0.55076 = 0.48418.
+    assert drmas[1] == pytest.approx(0.48418, abs=1e-4)
+    grpo = compute_advantages(score, UID, TRAJ, AGENT, "grpo")
+    assert grpo[0] == grpo[1]  # both rows of t1 share its mean score 0.95
+
+
+def test_singleton_group_gets_raw_score_and_constant_group_gets_zero():
+    # A group with one row: mean 0, std 1, so A = score / (1 + eps).
+    single = compute_advantages(np.array([0.7]), ["u"], ["t"], ["a"], "drmas")
+    assert single[0] == pytest.approx(0.7 / (1 + 1e-6))
+    # The search Answer agent acting once in its group: the same raw-score quirk.
+    constant = compute_advantages(np.array([1.0, 1.0, 1.0]), ["u"] * 3, ["a", "b", "c"], ["x"] * 3, "grpo")
+    np.testing.assert_array_equal(constant, [0.0, 0.0, 0.0])
+    # With eps = 0 a constant group would divide 0 by 0: it gets 0, never NaN.
+    no_eps = compute_advantages(np.array([1.0, 1.0]), ["u"] * 2, ["a", "b"], ["x"] * 2, "drmas", eps=0)
+    np.testing.assert_array_equal(no_eps, [0.0, 0.0])
+
+
+def test_scale_by_std_off_only_centres():
+    advantages = compute_advantages(REWARD, UID, TRAJ, AGENT, "drmas", scale_by_std=False)
+    np.testing.assert_allclose(advantages, [0.5, 1 / 3, -0.5, -0.5, -2 / 3, 0.5, 1 / 3], atol=1e-6)
+
+
+def test_arrow_columns_string_dictionary_and_chunked_give_the_same_result():
+    expected = compute_advantages(REWARD, UID, TRAJ, AGENT, "drmas")
+    uid = pa.array(UID).dictionary_encode()
+    traj = pa.chunked_array([pa.array(TRAJ[:3]), pa.array(TRAJ[3:])])
+    agent = pa.chunked_array(
+        [pa.array(AGENT[:4]).dictionary_encode(), pa.array(AGENT[4:]).dictionary_encode()]
+    )  # two chunks whose dictionaries differ
+    np.testing.assert_array_equal(compute_advantages(REWARD, uid, traj, agent, "drmas"), expected)
+    np.testing.assert_array_equal(
+        compute_advantages(REWARD, uid, traj, agent, "grpo"),
+        compute_advantages(REWARD, UID, TRAJ, AGENT, "grpo"),
+    )
+
+
+def test_integer_keys_work_like_strings():
+    codes, count = factorize(np.array([7, 3, 7, 9]))
+    assert count == 3 and codes[0] == codes[2] and len(set(codes.tolist())) == 3
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: compute_advantages(REWARD, UID[:3], TRAJ, AGENT, "drmas"), "uid has 3 rows"),
+        (lambda: compute_advantages(REWARD, UID, TRAJ, AGENT, "ppo"), "unknown advantage mode"),
+        (
+            lambda: compute_advantages(REWARD, ["p"] * 6 + ["q"], TRAJ, AGENT, "grpo"),
+            "traj_uid 't3' .* belongs to more than one uid",
+        ),
+        (
+            lambda: compute_advantages(np.array([1.0, np.nan]), ["u"] * 2, ["a", "b"], ["x"] * 2, "grpo"),
+            "score is not finite at row 1",
+        ),
+        (
+            lambda: compute_advantages(REWARD, pa.array(["p"] * 6 + [None]), TRAJ, AGENT, "drmas"),
+            "1 null",
+        ),
+    ],
+)
+def test_bad_input_is_named(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# ------------------------------------------------------------------------------------
+# Properties against the loop oracle
+# ------------------------------------------------------------------------------------
+
+# Scores from a set whose sums are exact in binary, plus arbitrary floats.
+SCORES = st.one_of(
+    st.sampled_from([0.0, 1.0, -0.25, 0.75, 0.5]),
+    st.floats(-3, 3, allow_nan=False, width=32),
+)
+
+
+@st.composite
+def uneven_batches(draw):
+    """Prompts with 1-5 trajectories each, 1-5 calls per trajectory, 1-3 agents, in any order."""
+    rows = []
+    for prompt in range(draw(st.integers(1, 4))):
+        for trajectory in range(draw(st.integers(1, 5))):
+            for _ in range(draw(st.integers(1, 5))):
+                agent = draw(st.sampled_from(["solver", "verifier", "answer"]))
+                rows.append((f"p{prompt}", f"p{prompt}t{trajectory}", agent, draw(SCORES)))
+    order = draw(st.permutations(range(len(rows))))
+    rows = [rows[i] for i in order]
+    uid, traj, agent, score = (list(column) for column in zip(*rows))
+    return np.array(score), uid, traj, agent
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=uneven_batches(), mode=st.sampled_from(["grpo", "drmas"]), scale=st.booleans())
+def test_matches_the_loop_oracle(batch, mode, scale):
+    score, uid, traj, agent = batch
+    fast = compute_advantages(score, uid, traj, agent, mode, scale_by_std=scale)
+    slow = loop_advantages(score, uid, traj, agent, mode, scale_by_std=scale)
+    np.testing.assert_allclose(fast, slow, rtol=1e-5, atol=1e-4)
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=uneven_batches(), mode=st.sampled_from(["grpo", "drmas"]), seed=st.integers(0, 2**16))
+def test_row_order_does_not_matter(batch, mode, seed):
+    score, uid, traj, agent = batch
+    permutation = np.random.default_rng(seed).permutation(len(score))
+    shuffled = compute_advantages(
+        score[permutation],
+        [uid[i] for i in permutation],
+        [traj[i] for i in permutation],
+        [agent[i] for i in permutation],
+        mode,
+    )
+    np.testing.assert_array_equal(shuffled, compute_advantages(score, uid, traj, agent, mode)[permutation])
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=uneven_batches())
+def test_grpo_gives_every_row_of_a_trajectory_one_value(batch):
+    score, uid, traj, agent = batch
+    advantages = compute_advantages(score, uid, traj, agent, "grpo")
+    for trajectory in set(traj):
+        values = {advantages[i] for i in range(len(traj)) if traj[i] == trajectory}
+        assert len(values) == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=uneven_batches())
+def test_drmas_groups_are_standardised(batch):
+    # Within each (uid, agent) group of 2+ distinct scores: mean 0, unbiased std ~1.
+    score, uid, traj, agent = batch
+    advantages = compute_advantages(score, uid, traj, agent, "drmas", eps=0.0)
+    for key in set(zip(uid, agent)):
+        rows = [i for i in range(len(score)) if (uid[i], agent[i]) == key]
+        if len(rows) > 1 and np.ptp(score[rows]) > 1e-3:
+            assert advantages[rows].mean() == pytest.approx(0.0, abs=1e-4)
+            assert advantages[rows].std(ddof=1) == pytest.approx(1.0, abs=1e-3)
+
+
+# ------------------------------------------------------------------------------------
+# Lemma 4.2 diagnostics
+# ------------------------------------------------------------------------------------
+
+
+def test_lemma_example_multiplier_is_eight():
+    # Agent k: rows [0, 2] -> mu_k = 1, sigma_k = 1 (population).
+    # Agent j: 8 rows of -0.25 and 8 of 0 -> sum -2, sum of squares 0.5.
+    # Team: 18 rows, sum 0 -> mu = 0; sum of squares 4.5 -> sigma^2 = 0.25, sigma = 0.5.
+    # Multiplier_k = (1 + (1 - 0)^2) / 0.25 = 8: variance ratio 4, mean mismatch 4.
+    score = np.array([0.0, 2.0] + [-0.25] * 8 + [0.0] * 8)
+    agent = ["k", "k"] + ["j"] * 16
+    stats = agent_reward_stats(score, agent)
+    k = stats["k"]
+    assert (k.mean, k.std, k.global_mean, k.global_std) == pytest.approx((1.0, 1.0, 0.0, 0.5))
+    assert (k.variance_ratio, k.mean_mismatch, k.multiplier) == pytest.approx((4.0, 4.0, 8.0))
+    assert k.rows == 2
+    # Agent j: mu_j = -0.125, sigma_j = 0.125 -> (0.015625 + 0.015625) / 0.25 = 0.125.
+    assert stats["j"].multiplier == pytest.approx(0.125)
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=uneven_batches())
+def test_row_weighted_multipliers_average_to_one(batch):
+    # sum_k p_k (sigma_k^2 + (mu_k - mu)^2) = sigma^2 (law of total variance).
+    score, _, _, agent = batch
+    if np.var(score) < 1e-6:
+        return
+    stats = agent_reward_stats(score, agent)
+    average = sum(s.rows * s.multiplier for s in stats.values()) / len(score)
+    assert average == pytest.approx(1.0, rel=1e-6)
+
+
+def test_constant_team_reward_reports_nan_ratios():
+    stats = agent_reward_stats(np.ones(4), ["a", "a", "b", "b"])
+    assert math.isnan(stats["a"].multiplier) and stats["a"].mean == 1.0
+
+
+# ------------------------------------------------------------------------------------
+# Policy loss
+# ------------------------------------------------------------------------------------
+
+
+def _tensor(*values):
+    return torch.tensor([list(values)], dtype=torch.float64)
+
+
+def test_clipped_loss_positive_advantage():
+    # A = +1, ratios [1.5, 0.9]; clip 0.2 -> [1.2, 0.9].
+    # unclipped -A*r = [-1.5, -0.9]; clipped = [-1.2, -0.9]; max = [-1.2, -0.9]; mean -1.05.
+    # The clipped branch is taken on token 0 only: clipfrac 0.5.
+    logprobs = torch.log(_tensor(1.5, 0.9)).requires_grad_()
+    loss, metrics = policy_loss(logprobs, _tensor(0.0, 0.0), torch.tensor([1.0]), _tensor(1, 1))
+    assert loss.item() == pytest.approx(-1.05)
+    assert metrics["clipfrac"] == pytest.approx(0.5)
+    # approx_kl = mean(old - new) = -(log 1.5 + log 0.9) / 2.
+    assert metrics["approx_kl"] == pytest.approx(-(math.log(1.5) + math.log(0.9)) / 2)
+    loss.backward()
+    # Clipped token: no gradient. Unclipped: d(-r/2)/dlogp = -r/2 = -0.45.
+    assert logprobs.grad[0].tolist() == pytest.approx([0.0, -0.45])
+
+
+def test_dual_clip_bounds_negative_advantage_loss():
+    # A = -1, ratios [1.5, 4.0]: unclipped [1.5, 4.0], clipped [1.2, 1.2], max [1.5, 4.0];
+    # dual clip min(., -A*3) = [1.5, 3.0]; mean 2.25; token 1 is dual-clipped.
+    logprobs = torch.log(_tensor(1.5, 4.0))
+    loss, metrics = policy_loss(logprobs, _tensor(0.0, 0.0), torch.tensor([-1.0]), _tensor(1, 1))
+    assert loss.item() == pytest.approx(2.25)
+    assert metrics["dual_clipfrac"] == pytest.approx(0.5)
+    assert metrics["clipfrac"] == 0.0
+
+
+def test_asymmetric_clip_range():
+    # clip_ratio_high 0.28: ratio 1.5 is clipped to 1.28, loss -1.28 for A = +1.
+    loss, _ = policy_loss(
+        torch.log(_tensor(1.5)), _tensor(0.0), torch.tensor([1.0]), _tensor(1), clip_ratio_high=0.28
+    )
+    assert loss.item() == pytest.approx(-1.28)
+
+
+def test_aggregations():
+    # seq 1: values [1, 2, 9] mask [1, 1, 0]; seq 2: values [4, 5, 6] mask [1, 0, 0].
+    # token-mean (1+2+4)/3 = 7/3; seq-mean-token-mean mean(1.5, 4) = 2.75;
+    # seq-mean-token-sum mean(3, 4) = 3.5; token-mean over a 7-token mini-batch = 1.
+    values = torch.tensor([[1.0, 2.0, 9.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert aggregate_loss(values, mask, "token-mean").item() == pytest.approx(7 / 3)
+    assert aggregate_loss(values, mask, "seq-mean-token-mean").item() == pytest.approx(2.75)
+    assert aggregate_loss(values, mask, "seq-mean-token-sum").item() == pytest.approx(3.5)
+    assert aggregate_loss(values, mask, "token-mean", num_tokens=7).item() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        aggregate_loss(values, mask, "sum")
+
+
+def test_kl_and_entropy_terms():
+    # k3 KL with logp = 0, ref = log 2: 2 - log 2 - 1 = 0.30685; with kl_coef 0.5 and the
+    # ratio 1 pg loss -A = -1: loss = -1 + 0.5 * 0.30685. Entropy 2.0 with coef 0.1: -0.2.
+    assert low_var_kl(_tensor(0.0), torch.log(_tensor(2.0))).item() == pytest.approx(1 - math.log(2))
+    assert low_var_kl(_tensor(-1.3), _tensor(-1.3)).item() == 0.0
+    loss, metrics = policy_loss(
+        _tensor(0.0),
+        _tensor(0.0),
+        torch.tensor([1.0]),
+        _tensor(1),
+        ref_logprobs=torch.log(_tensor(2.0)),
+        kl_coef=0.5,
+        entropy=_tensor(2.0),
+        entropy_coef=0.1,
+    )
+    assert metrics["kl"] == pytest.approx(1 - math.log(2))
+    assert metrics["entropy"] == pytest.approx(2.0)
+    assert loss.item() == pytest.approx(-1 + 0.5 * (1 - math.log(2)) - 0.2)
+
+
+def test_padding_tokens_do_not_count():
+    # The second token is padding: huge values there change nothing.
+    logprobs = torch.tensor([[0.0, 50.0]])
+    loss, metrics = policy_loss(logprobs, torch.zeros(1, 2), torch.tensor([2.0]), torch.tensor([[1, 0]]))
+    assert loss.item() == pytest.approx(-2.0) and metrics["clipfrac"] == 0.0

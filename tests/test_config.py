@@ -1,0 +1,175 @@
+"""drmas.config: loading, overrides, worker-group resolution and one error per problem."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from drmas.config import ConfigError, DrmasConfig, apply_overrides, load_config
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+MATH = CONFIGS / "math_tiny.yaml"
+
+
+def problems(*overrides: str, path: Path = MATH) -> list[str]:
+    with pytest.raises(ConfigError) as error:
+        load_config(path, overrides)
+    return error.value.problems
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load_and_round_trip(path):
+    config = load_config(path)
+    assert DrmasConfig.from_json(config.to_json()) == config
+    assert json.loads(config.to_json())["agents"]  # defaults are filled in
+
+
+def test_worker_groups_none_by_model_and_explicit():
+    separate = load_config(MATH)  # sharing: none in the file
+    assert [(g.name, g.agents) for g in separate.worker_groups()] == [
+        ("solver", ("solver",)),
+        ("verifier", ("verifier",)),
+    ]
+    shared = load_config(MATH, ["workers.sharing=by_model"])
+    [group] = shared.worker_groups()
+    assert (group.name, group.agents, group.model) == ("solver-verifier", ("solver", "verifier"), "tiny")
+    assert group.spec is not None and group.spec.hidden_size == 128
+    explicit = load_config(MATH, ["workers.groups={team: [verifier, solver]}"])
+    assert [(g.name, g.agents) for g in explicit.worker_groups()] == [("team", ("verifier", "solver"))]
+    assert explicit.agent_to_worker_group() == {"verifier": "team", "solver": "team"}
+
+
+def test_heterogeneous_models_by_model_gives_one_group_per_model(tmp_path):
+    config = load_config(
+        MATH, ["models.big={hidden_size: 256}", "agents.solver.model=big", "workers.sharing=by_model"]
+    )
+    assert {g.name: g.model for g in config.worker_groups()} == {"solver": "big", "verifier": "tiny"}
+
+
+def test_per_agent_overrides_resolve_per_worker_group_and_per_agent_sampling():
+    config = load_config(MATH, ["agents.solver.lr=1e-4", "agents.verifier.temperature=0.3"])
+    lrs = {g.name: g.lr for g in config.worker_groups()}
+    assert lrs == {"solver": 1e-4, "verifier": 5e-5}
+    assert config.agent_sampling("verifier").temperature == 0.3
+    assert config.agent_sampling("solver").temperature == 1.0
+    # Sampling may differ between agents of one shared model: it is per call, not per model.
+    shared = load_config(MATH, ["workers.sharing=by_model", "agents.verifier.temperature=0.3"])
+    assert shared.agent_sampling("verifier").temperature == 0.3
+
+
+def test_overrides_index_name_nesting_and_types():
+    raw = apply_overrides(
+        {"agents": [{"name": "solver", "model": "m"}]},
+        ["agents.0.lr=2e-5", "agents.solver.micro_batch_size=4", "rollout.sampling.top_p=0.9", "x.y=[1, 2]"],
+    )
+    assert raw["agents"][0]["lr"] == 2e-5  # a float, although YAML 1.1 reads "2e-5" as text
+    assert raw["agents"][0]["micro_batch_size"] == 4
+    assert raw["rollout"] == {"sampling": {"top_p": 0.9}}
+    assert raw["x"] == {"y": [1, 2]}
+    assert load_config(MATH, ["agents.0.lr=2e-5"]).agents[0].lr == 2e-5
+
+
+def test_flat_params_name_agents():
+    params = load_config(MATH).flat_params()
+    assert params["agents.solver.model"] == "tiny"
+    assert params["algorithm.advantage"] == "drmas"
+    assert params["rollout.sampling.max_new_tokens"] == "48"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["rollout.grup_size=3"], "rollout.grup_size: unknown key; did you mean 'group_size'?"),
+        (["algorithm.advantge=grpo"], "algorithm.advantge: unknown key; did you mean 'advantage'?"),
+        (["agents.solver.lrr=1"], "agents[0].lrr: unknown key; did you mean 'lr'?"),
+        (["models.tiny.hiden_size=64"], "models.tiny.hiden_size: unknown key; did you mean 'hidden_size'?"),
+        (["train.lr=fast"], "train.lr: Input should be a valid number"),
+        (["train.zero_stage=4"], "train.zero_stage: Input should be less than or equal to 3"),
+        (["rollout.sampling.top_p=1.5"], "rollout.sampling.top_p: Input should be less than or equal to 1"),
+        (["algorithm.advantage=ppo"], "algorithm.advantage: Input should be 'drmas' or 'grpo'"),
+        (["rollout.group_size=1"], "rollout.group_size: is 1, but advantage 'drmas'"),
+        (["rollout.group_size=1", "algorithm.advantage=grpo"], "advantage 'grpo' normalises"),
+        (["agents.verifier.name=critic"], "agents[1].name: orchestra 'math' has no agent 'critic'"),
+        (["agents.verifier.name=verfier"], "did you mean 'verifier'?"),
+        (["agents.verifier.name=solver"], "agents[1].name: agent 'solver' is listed twice"),
+        (["agents.solver.model=./no/such/folder"], "agents[0].model: './no/such/folder' is neither"),
+        (["task.orchestra=nope"], "task.orchestra: unknown orchestra 'nope'"),
+        (["task.orchestra=no_such_module:X"], "cannot import orchestra"),
+        (["store.endpoint=http://key:secret@host:9000"], "store.endpoint: must look like http(s)://host:port"),
+        (["models.tiny.num_kv_heads=3"], "models.tiny: num_heads 4 is not divisible by num_kv_heads 3"),
+        (["experiment.name=has space"], "experiment.name: String should match pattern"),
+    ],
+)
+def test_each_problem_is_named(overrides, expected):
+    found = problems(*overrides)
+    assert any(expected in problem for problem in found), found
+
+
+def test_missing_agent_is_reported():
+    found = problems("agents=[{name: solver, model: tiny}]")
+    assert found == ["agents: orchestra 'math' needs agent 'verifier', which is not configured"]
+
+
+def test_conflicting_settings_in_a_shared_worker_group_name_field_and_agents():
+    found = problems("workers.sharing=by_model", "agents.solver.lr=1e-3")
+    assert len(found) == 1
+    message = found[0]
+    assert "lr differs" in message and "'solver-verifier'" in message
+    assert "solver=0.001" in message and "verifier=5e-05" in message
+
+
+def test_explicit_groups_are_checked():
+    found = problems(
+        "workers.groups={g1: [solver], g2: [solver, verifir]}",
+    )
+    assert "workers.groups: agent 'solver' is in both 'g1' and 'g2'" in found
+    assert "workers.groups.g2: unknown agent 'verifir'; did you mean 'verifier'?" in found
+    assert "workers.groups: agent 'verifier' is in no worker group" in found
+    mixed = problems("models.other={hidden_size: 64}", "agents.solver.model=other", "workers.groups={g: [solver, verifier]}")
+    assert any("its agents name different models (other, tiny)" in p for p in mixed)
+
+
+def test_several_problems_reported_at_once():
+    found = problems("rollout.grup_size=3", "train.lr=x", "eval.k=0")
+    assert len(found) == 3
+
+
+def test_file_problems(tmp_path):
+    assert "does not exist" in problems(path=tmp_path / "missing.yaml")[0]
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("agents: [unclosed\n")
+    assert "cannot parse YAML" in problems(path=broken)[0]
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- 1\n- 2\n")
+    assert "top level must be a mapping" in problems(path=listed)[0]
+    assert "must look like section.field=value" in problems("no-equals-sign")[0]
+    assert "no element with index or name 'critic'" in problems("agents.critic.lr=1")[0]
+
+
+def test_user_orchestra_by_import_path(tmp_path, monkeypatch):
+    (tmp_path / "my_team.py").write_text(
+        "class PlanAndCode:\n    agents = ('planner', 'coder')\n\nclass NoAgents:\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    raw = yaml.safe_load(MATH.read_text())
+    raw["task"]["orchestra"] = "my_team:PlanAndCode"
+    raw["agents"] = [{"name": "planner", "model": "tiny"}, {"name": "coder", "model": "tiny"}]
+    config_file = tmp_path / "team.yaml"
+    config_file.write_text(yaml.safe_dump(raw))
+    config = load_config(config_file)
+    assert [g.name for g in config.worker_groups()] == ["planner", "coder"]
+    assert any("must declare 'agents'" in p for p in problems("task.orchestra=my_team:NoAgents", path=config_file))
+
+
+def test_from_json_errors_are_config_errors():
+    with pytest.raises(ConfigError, match="agents: Field required"):
+        DrmasConfig.from_json("{}")
+
+
+def test_no_credentials_field_exists():
+    """Secrets come from the environment; a config that tries to carry them is rejected."""
+    found = problems("store.secret_key=abc", "tracking.token=abc")
+    assert {p.split(":")[0] for p in found} == {"store.secret_key", "tracking.token"}
