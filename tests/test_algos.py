@@ -96,6 +96,34 @@ def test_arrow_columns_string_dictionary_and_chunked_give_the_same_result():
     )
 
 
+@pytest.mark.parametrize("layout", ["runs", "shuffled"])
+def test_every_factorize_path_gives_the_same_partition(tmp_path, layout):
+    """Plain, chunked and per-row-group dictionary columns, with and without long runs."""
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    keys = np.repeat([f"key-{i}" for i in range(500)], rng.integers(1, 20, size=500))
+    if layout == "shuffled":
+        keys = rng.permutation(keys)
+    pq.write_table(pa.table({"k": keys}), tmp_path / "k.parquet", row_group_size=300)
+    forms = {
+        "numpy": keys,
+        "plain": pq.read_table(tmp_path / "k.parquet")["k"],
+        "dictionary": pq.read_table(tmp_path / "k.parquet", read_dictionary=["k"])["k"],
+        "one chunk": pa.array(keys),
+        # Parquet readers hand every batch of a row group the whole row-group dictionary.
+        "big dictionaries": pa.chunked_array(
+            [pa.array(keys[i : i + 50]).dictionary_encode() for i in range(0, len(keys), 50)]
+        ).unify_dictionaries(),
+    }
+    reference = np.unique(keys, return_inverse=True)[1]
+    for name, column in forms.items():
+        codes, count = factorize(column)
+        assert count == len(set(keys)), name
+        pairs = np.unique(np.stack([codes, reference]), axis=1)
+        assert pairs.shape[1] == count, name  # codes and reference split the rows alike
+
+
 def test_integer_keys_work_like_strings():
     codes, count = factorize(np.array([7, 3, 7, 9]))
     assert count == 3 and codes[0] == codes[2] and len(set(codes.tolist())) == 3

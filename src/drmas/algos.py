@@ -89,18 +89,63 @@ def _is_arrow(obj: Any) -> bool:
 
 
 def _factorize_arrow(column: Any) -> tuple[np.ndarray, int]:
+    """Codes of an Arrow key column, hashing as few strings as the layout allows.
+
+    - Dictionary-encoded with small dictionaries (agent names): unify the dictionaries
+      and read the indices; no string is hashed twice.
+    - Keys in long runs (trajectory files keep an episode's and a prompt's rows together):
+      find the runs with a cheap scan and hash one string per run.
+    - Otherwise hash every row in C++ (Arrow's hash table).
+    """
     import pyarrow as pa  # noqa: PLC0415
 
-    if isinstance(column, pa.ChunkedArray):
-        if pa.types.is_dictionary(column.type):
-            column = column.unify_dictionaries()
-        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    if not pa.types.is_dictionary(column.type):
-        column = column.dictionary_encode()
-    if column.null_count:
-        raise ValueError(f"a key column has {column.null_count} null value(s)")
-    codes = column.indices.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-    return codes, len(column.dictionary)
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    nulls = sum(chunk.null_count for chunk in chunks)
+    if nulls:
+        raise ValueError(f"a key column has {nulls} null value(s)")
+    rows = sum(len(chunk) for chunk in chunks)
+    if rows == 0:
+        return np.zeros(0, dtype=np.int64), 0
+    if pa.types.is_dictionary(chunks[0].type):
+        if sum(len(chunk.dictionary) for chunk in chunks) <= rows // 4:
+            unified = pa.chunked_array(chunks).unify_dictionaries()
+            return _indices(unified.chunks), len(unified.chunk(0).dictionary)
+        value_type = chunks[0].type.value_type
+    else:
+        value_type = chunks[0].type
+    if not _has_long_runs(chunks[0]):
+        encoded = pa.chunked_array(chunks).cast(value_type).dictionary_encode()
+        return _indices(encoded.chunks), max(len(c.dictionary) for c in encoded.chunks)
+    runs = [_runs(chunk) for chunk in chunks]
+    encoded = pa.chunked_array([values for values, _ in runs], type=value_type).dictionary_encode()
+    lengths = np.concatenate([lengths for _, lengths in runs])
+    return np.repeat(_indices(encoded.chunks), lengths), max(len(c.dictionary) for c in encoded.chunks)
+
+
+def _indices(chunks: list[Any]) -> np.ndarray:
+    arrays = [chunk.indices.to_numpy(zero_copy_only=False) for chunk in chunks]
+    return np.concatenate(arrays).astype(np.int64, copy=False)
+
+
+def _has_long_runs(chunk: Any, sample: int = 4096) -> bool:
+    """Whether the first rows come in runs of 4 or more on average."""
+    _, lengths = _runs(chunk.slice(0, sample))
+    return len(lengths) * 4 <= min(len(chunk), sample)
+
+
+def _runs(chunk: Any) -> tuple[Any, np.ndarray]:
+    """(one value per run of equal keys, run lengths) of one Arrow chunk."""
+    import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.compute as pc  # noqa: PLC0415
+
+    if pa.types.is_dictionary(chunk.type):
+        indices = chunk.indices.to_numpy(zero_copy_only=False)
+        starts = np.flatnonzero(np.r_[True, indices[1:] != indices[:-1]]) if len(indices) else indices
+        lengths = np.diff(np.r_[starts, len(indices)])
+        return chunk.dictionary.take(pa.array(indices[starts])), lengths
+    encoded = pc.run_end_encode(chunk)
+    ends = encoded.run_ends.to_numpy(zero_copy_only=False)
+    return encoded.values, np.diff(np.r_[0, ends])
 
 
 def _combine_codes(major: np.ndarray, minor: np.ndarray, n_minor: int) -> tuple[np.ndarray, int]:
