@@ -86,6 +86,12 @@ class TaskConfig(Section):
     """search: at most this many Verifier turns per episode."""
     retrieval_top_k: int = Field(3, ge=1)
     """search: passages returned per query."""
+    history_length: int = Field(4, ge=0)
+    """search: past turns (query and retrieved passages) shown in every prompt."""
+    malformed_verdict_passes: bool = True
+    """A missing or malformed verifier verdict counts as approve (math) or as 'enough
+    information, answer now' (search), as the reference code does; False makes it reject /
+    search again."""
 
     @property
     def orchestra_name(self) -> str:

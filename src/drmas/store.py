@@ -93,6 +93,7 @@ class Store:
     def __init__(self, root: str, endpoint: str | None = None, region: str = "us-east-1") -> None:
         self.root = root.rstrip("/") if root.startswith("s3://") else str(Path(root).resolve())
         self.is_s3 = root.startswith("s3://")
+        self.region = region
         if self.is_s3:
             self.endpoint = _resolve_endpoint(endpoint)
             self.fs, self.base = _s3_filesystem(self.root, self.endpoint, region), self.root[5:]
@@ -104,6 +105,13 @@ class Store:
     @classmethod
     def from_config(cls, config: StoreConfig) -> Store:
         return cls(config.root, config.endpoint, config.region)
+
+    def settings(self) -> StoreConfig:
+        """This store as config (absolute root, resolved endpoint): what other processes
+        (Ray actors, KFP tasks) need to open the same store. No credentials in it."""
+        from drmas.config import StoreConfig  # noqa: PLC0415
+
+        return StoreConfig(root=self.root, endpoint=self.endpoint, region=self.region)
 
     def __repr__(self) -> str:
         where = f" at {self.endpoint}" if self.endpoint else ""

@@ -1,0 +1,192 @@
+"""Agents: roles with a prompt template and an output parser.
+
+An agent never generates by itself: its orchestra asks the team to call it on a batch of
+episodes, and the team sends all those prompts to the agent's worker group as one batched
+generate. An agent only says what to ask (``prompt``) and how to read the answer
+(``parse``: the extracted text and whether the output was well-formed; a malformed output
+costs its call the invalid-format penalty and never crashes anything).
+
+Write your own by implementing the two methods; an orchestra lists its agents by name:
+
+    class Critic:
+        def prompt(self, episode: Episode, step: int) -> str:
+            return f"Question: {episode.question.question}\\nCriticise the last answer."
+        def parse(self, response: str) -> Parsed:
+            return Parsed(text=response.strip(), is_valid=bool(response.strip()))
+
+The built-in prompts paraphrase the reference code's (Dr. MAS) in a few lines each, so
+that small models see short prompts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+from drmas.episodes import Episode
+from drmas.tasks.math import extract_boxed
+
+__all__ = [
+    "Agent",
+    "AnswerAgent",
+    "MathVerifierAgent",
+    "Parsed",
+    "RouterAgent",
+    "SearchAgent",
+    "SolverAgent",
+    "find_tag",
+]
+
+CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]")
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """What an agent's output means: the extracted text, and whether it was well-formed."""
+
+    text: str
+    is_valid: bool
+
+
+class Agent(Protocol):
+    def prompt(self, episode: Episode, step: int) -> str:
+        """The user message for this agent in this episode at this step (1-based)."""
+
+    def parse(self, response: str) -> Parsed:
+        """Read a response; must accept anything (empty, huge, garbage) without raising."""
+
+
+def find_tag(text: str, tag: str) -> str | None:
+    """The stripped content of the last ``<tag>...</tag>`` in ``text``, or None.
+
+    Two reverse scans, linear in the text: a regex would backtrack quadratically on model
+    output such as thousands of unclosed opening tags.
+    """
+    close = text.rfind(f"</{tag}>")
+    start = text.rfind(f"<{tag}>", 0, close) if close >= 0 else -1
+    return text[start + len(tag) + 2 : close].strip() if start >= 0 else None
+
+
+def _one_think_block(text: str) -> bool:
+    """Exactly one <think> and one </think>, in that order (the reference's format rule)."""
+    opened, closed = text.count("<think>"), text.count("</think>")
+    return opened == 1 and closed == 1 and text.index("<think>") < text.index("</think>")
+
+
+def _context(episode: Episode) -> str:
+    return "\n".join(episode.team_context)
+
+
+def _history(episode: Episode, length: int) -> str:
+    shown = episode.history[-length:] if length else []
+    first = len(episode.history) - len(shown) + 1
+    return "\n".join(
+        f"Step {first + i}: <search>{query}</search> <information>{info}</information>"
+        for i, (query, info) in enumerate(shown)
+    )
+
+
+# ------------------------------------------------------------------------------------
+# math: Solver <-> Verifier
+# ------------------------------------------------------------------------------------
+
+
+class SolverAgent:
+    """Solves the problem, using teammates' earlier outputs as context."""
+
+    def prompt(self, episode: Episode, step: int) -> str:
+        context = _context(episode)
+        return (
+            f"Problem: {episode.question.question}\n"
+            + (f"Team so far:\n{context}\n" if context else "")
+            + "You are the Solver. Solve it step by step and put the final answer in \\boxed{}."
+        )
+
+    def parse(self, response: str) -> Parsed:
+        return Parsed(text=response, is_valid=extract_boxed(response) is not None)
+
+
+class MathVerifierAgent:
+    """Reviews the latest solution and approves or rejects it."""
+
+    def prompt(self, episode: Episode, step: int) -> str:
+        return (
+            f"Problem: {episode.question.question}\n"
+            f"Team so far:\n{_context(episode)}\n"
+            "You are the Verifier. Check the latest solution. "
+            "End with <verify>approve</verify> or <verify>reject</verify>."
+        )
+
+    def parse(self, response: str) -> Parsed:
+        verdict = find_tag(response, "verify")
+        well_formed = verdict in ("approve", "reject") and not CJK.search(response)
+        return Parsed(text=verdict if verdict in ("approve", "reject") else "", is_valid=well_formed)
+
+
+# ------------------------------------------------------------------------------------
+# search: Verifier routes to Search or Answer
+# ------------------------------------------------------------------------------------
+
+
+class RouterAgent:
+    """Judges whether the retrieved information suffices: yes -> answer, no -> search."""
+
+    def __init__(self, history_length: int = 4) -> None:
+        self.history_length = history_length
+
+    def prompt(self, episode: Episode, step: int) -> str:
+        history = _history(episode, self.history_length)
+        return (
+            f"Question: {episode.question.question}\n"
+            + (f"History:\n{history}\n" if history else "")
+            + f"You are the Verifier at step {step}. Is the information enough to answer? "
+            "End with <verify>yes</verify> or <verify>no</verify>."
+        )
+
+    def parse(self, response: str) -> Parsed:
+        verdict = find_tag(response.lower(), "verify")
+        well_formed = verdict in ("yes", "no") and not CJK.search(response)
+        return Parsed(text=verdict if verdict in ("yes", "no") else "", is_valid=well_formed)
+
+
+class SearchAgent:
+    """Writes one search query; the orchestra answers it with retrieved passages."""
+
+    def __init__(self, history_length: int = 4) -> None:
+        self.history_length = history_length
+
+    def prompt(self, episode: Episode, step: int) -> str:
+        history = _history(episode, self.history_length)
+        return (
+            f"Question: {episode.question.question}\n"
+            + (f"History:\n{history}\n" if history else "")
+            + f"Teammates at step {step}:\n{_context(episode)}\n"
+            "You are the Searcher. Think in <think></think>, then give one query as "
+            "<search>query</search>."
+        )
+
+    def parse(self, response: str) -> Parsed:
+        query = find_tag(response, "search")
+        well_formed = query is not None and _one_think_block(response) and not CJK.search(response)
+        return Parsed(text=query or "", is_valid=well_formed)
+
+
+class AnswerAgent:
+    """Gives the final answer from the retrieved information."""
+
+    def __init__(self, history_length: int = 4) -> None:
+        self.history_length = history_length
+
+    def prompt(self, episode: Episode, step: int) -> str:
+        history = _history(episode, self.history_length)
+        return (
+            f"Question: {episode.question.question}\n"
+            + (f"History:\n{history}\n" if history else "")
+            + "You are the Answerer. Think in <think></think>, then answer as <answer>answer</answer>."
+        )
+
+    def parse(self, response: str) -> Parsed:
+        answer = find_tag(response, "answer")
+        well_formed = answer is not None and _one_think_block(response) and not CJK.search(response)
+        return Parsed(text=answer or "", is_valid=well_formed)

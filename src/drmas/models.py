@@ -1,0 +1,118 @@
+"""Models and tokenizers: build a small one from scratch, or load one (hub id or folder).
+
+Scratch models are what make CPU training possible: a Qwen3- or Llama-shaped decoder of
+about a million parameters with a byte-level BPE tokenizer trained on the task's own
+text, digits split one per token (arithmetic is learnable that way; see ENVIRONMENT.md).
+Everything is saved in the Hugging Face layout, so ``AutoModelForCausalLM.from_pretrained``
+loads it, and weights are only ever read from safetensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedTokenizerBase as Tokenizer
+
+from drmas.config import ModelSpec
+
+__all__ = ["build_scratch_policy", "load_model", "load_tokenizer", "train_tokenizer"]
+
+END_OF_TEXT = "<|endoftext|>"
+TURN_START = "<|im_start|>"
+TURN_END = "<|im_end|>"
+# ChatML, as Qwen uses it: a scratch model and a real one see the same prompt shape.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer trained on ``texts``, one token per digit, ChatML specials."""
+    from tokenizers import Tokenizer as RawTokenizer  # noqa: PLC0415
+    from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT, TURN_START, TURN_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    raw.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        eos_token=TURN_END,
+        pad_token=END_OF_TEXT,
+        bos_token=None,
+        padding_side="left",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_scratch_policy(spec: ModelSpec, texts: Iterable[str], out_dir: Path, seed: int) -> Path:
+    """Train a tokenizer on ``texts``, initialise a model from ``spec``, save both (HF layout)."""
+    tokenizer = train_tokenizer(texts, spec.vocab_size)
+    model = _scratch_model(spec, tokenizer, seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def _scratch_model(spec: ModelSpec, tokenizer: Tokenizer, seed: int) -> PreTrainedModel:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: PLC0415
+
+    config_class, model_class = {
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+    }[spec.architecture]
+    config = config_class(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.hidden_size // spec.num_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        dtype=spec.dtype,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = model_class(config)
+    return model.to(getattr(torch, spec.dtype))
+
+
+def load_tokenizer(source: str | Path) -> Tokenizer:
+    """A tokenizer from a hub id or a folder, left-padding (generation pads on the left)."""
+    tokenizer = AutoTokenizer.from_pretrained(str(source), padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(source: str | Path, dtype: str = "float32") -> PreTrainedModel:
+    """A causal LM from a hub id or a folder, from safetensors only (never a pickle)."""
+    model = AutoModelForCausalLM.from_pretrained(
+        str(source), dtype=getattr(torch, dtype), use_safetensors=True
+    )
+    model.eval()
+    return model

@@ -1,0 +1,89 @@
+"""The initial policy of every worker group, as an artifact in the store.
+
+    init_policies(config, store, run_id) -> {wg: PolicyRef}
+
+A worker group whose model spec says ``source: scratch`` gets a tokenizer trained on the
+task's text (questions, answers, every agent's prompt, the tags agents must write) and a
+freshly initialised model; any other model is a hub id or a local folder, loaded (from
+safetensors) and saved as it is. Either way the store holds HF-layout folders at
+``{experiment}/{run_id}/init/policy/{wg}/`` and every later stage reads from there.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from drmas.config import DrmasConfig, WorkerGroup
+from drmas.episodes import Episode
+from drmas.models import build_scratch_policy, load_model, load_tokenizer
+from drmas.registry import load_orchestra
+from drmas.store import Store
+from drmas.workers import PolicyRef
+
+__all__ = ["init_path", "init_policies", "tokenizer_corpus"]
+
+AGENT_TAGS = (
+    "\\boxed{}",
+    "<verify>approve</verify>",
+    "<verify>reject</verify>",
+    "<verify>yes</verify>",
+    "<verify>no</verify>",
+    "<think></think>",
+    "<search></search>",
+    "<answer></answer>",
+    "<information></information>",
+    "0123456789 + - * / = . ,",
+)
+
+
+def init_path(config: DrmasConfig, run_id: str) -> str:
+    return f"{config.experiment.name}/{run_id}/init"
+
+
+def init_policies(config: DrmasConfig, store: Store, run_id: str, overwrite: bool = False) -> dict[str, PolicyRef]:
+    """Write every worker group's initial policy (once) and return where each one is."""
+    path = init_path(config, run_id)
+    groups = config.worker_groups()
+    if not store.exists(path) or overwrite:
+        with tempfile.TemporaryDirectory() as scratch, store.writer(path, overwrite=overwrite, meta={"stage": "init"}) as out:
+            texts = tokenizer_corpus(config) if any(_is_scratch(g) for g in groups) else []
+            for index, group in enumerate(groups):
+                local = Path(scratch) / group.name
+                _materialise(group, texts, local, seed=config.experiment.seed + index)
+                out.put_dir(local, f"policy/{group.name}")
+    return {group.name: PolicyRef(path, f"policy/{group.name}") for group in groups}
+
+
+def _is_scratch(group: WorkerGroup) -> bool:
+    return group.spec is not None and group.spec.source == "scratch"
+
+
+def _materialise(group: WorkerGroup, texts: list[str], out_dir: Path, seed: int) -> None:
+    if _is_scratch(group):
+        build_scratch_policy(group.spec, texts, out_dir, seed)
+        return
+    source = group.spec.source if group.spec is not None else group.model
+    dtype = group.spec.dtype if group.spec is not None else "float32"
+    load_model(source, dtype).save_pretrained(out_dir, safe_serialization=True)
+    load_tokenizer(source).save_pretrained(out_dir)
+
+
+def tokenizer_corpus(config: DrmasConfig, limit: int = 2000) -> list[str]:
+    """Text a scratch tokenizer should cover: questions, answers and every agent's prompts."""
+    from drmas.rollout import task_questions  # noqa: PLC0415
+
+    questions = (task_questions(config, "train") + task_questions(config, "eval"))[:limit]
+    orchestra = load_orchestra(config.task.orchestra_name)
+    agents = {name: cls() for name, cls in orchestra.agents.items()}
+    texts = list(AGENT_TAGS)
+    for question in questions:
+        episode = Episode(uid="u", traj_uid="t", sample_idx=0, question=question)
+        episode.team_context = [f"{name.title()}: " for name in agents]
+        texts += [agent.prompt(episode, 1) for agent in agents.values()]
+        texts += [question.question, *question.answers]
+    if config.task.name == "search":
+        from drmas.tasks.search import corpus_for  # noqa: PLC0415
+
+        texts += [passage.text for passage in corpus_for(config.data, config.experiment.seed)[:limit]]
+    return texts

@@ -1,0 +1,592 @@
+"""The search task: questions, a passage corpus, a BM25 retriever and the exact-match reward.
+
+Data comes in two forms. Real data is Search-R1's: a JSONL corpus of passages (FlashRAG
+``contents`` whose first line is the title, or ``text`` with an optional ``title``) and
+NQ/HotpotQA-style question files (``question`` and ``golden_answers``). The generated form,
+``generated:facts``, is a world of made-up countries, towns and people, so that no
+pretrained knowledge helps: the only way to answer is to search its corpus. Every fact is
+one short passage, and questions are single-hop (one fact answers them) or two-hop (the
+first fact names a bridge entity that the second fact needs).
+
+Retrieval is BM25 (``bm25s``) over lower-cased word tokens, with bm25s's English stopword
+list removed and no stemming. An index is built once per corpus and cached in the artifact
+store under ``_cache/bm25/{corpus_hash}``; loading it never unpickles anything.
+
+The reward is Search-R1's exact match: SQuAD normalisation, then equality with any gold
+answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import random
+import re
+import string
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import bm25s
+import pyarrow as pa
+import pyarrow.parquet as pq
+from bm25s.stopwords import STOPWORDS_EN
+
+from drmas.store import Artifact, ArtifactExists, ArtifactWriter, CorruptArtifact, Store
+from drmas.tasks import DataError, Question
+
+if TYPE_CHECKING:
+    from drmas.config import DataConfig
+
+__all__ = [
+    "Passage",
+    "Retriever",
+    "cached_retriever",
+    "corpus_for",
+    "exact_match",
+    "format_passages",
+    "generate_fact_world",
+    "generated_facts",
+    "load_corpus",
+    "load_qa",
+    "normalize_answer",
+]
+
+logger = logging.getLogger(__name__)
+
+GENERATED_PREFIX = "generated:"
+GENERATED_FACTS = "facts"
+DEFAULT_COUNTRIES = 200
+"""Countries in a generated world unless the configured question counts need more."""
+QUESTIONS_PER_COUNTRY = 6
+EVAL_EVERY = 10
+"""Every 10th country (and all its facts' questions) is held out for evaluation."""
+MAX_COUNTRIES = 20_000
+"""A bound on generated worlds (120,000 passages), so a typo in a size fails fast."""
+INDEX_FORMAT = "drmas.bm25/1"
+"""Part of the corpus hash: a change of tokenisation or layout must miss old caches."""
+CACHE_PREFIX = "_cache/bm25"
+PASSAGES_FILE = "passages.jsonl"
+INDEX_DIR = "index"
+_TOKEN = re.compile(r"\w+")
+_STOPWORDS = frozenset(STOPWORDS_EN)
+
+
+@dataclass(frozen=True)
+class Passage:
+    """One retrievable text with a stable id (the corpus file's id, or its line number)."""
+
+    pid: str
+    text: str
+
+
+# --------------------------------------------------------------------------------------
+# The generated world
+# --------------------------------------------------------------------------------------
+
+_ONSETS = (
+    "b", "br", "d", "dr", "f", "g", "gr", "k", "kr", "l", "m", "n",
+    "p", "qu", "r", "s", "sh", "st", "t", "th", "v", "z",
+)
+_VOWELS = ("a", "e", "i", "o", "u")
+_CODAS = ("", "", "n", "r", "l", "s")
+_COUNTRY_ENDINGS = ("nia", "ria", "via", "land")
+_CITY_ENDINGS = ("in", "or", "eth", "os", "holm")
+_FIRST_NAME_ENDINGS = ("a", "o", "en", "")
+FIRST_NAMES = 64
+"""People share first names (as in life); surnames, and all place names, are unique."""
+_RESERVED = _STOPWORDS | {"capital", "town", "country", "founded", "born", "year", "what", "which"}
+"""Words that no name may be: a stopword is never indexed, a template word is in every fact."""
+
+
+@dataclass(frozen=True)
+class _Country:
+    """One country's facts: a capital and a town, each with a founder and a birth year."""
+
+    index: int
+    name: str
+    capital: str
+    town: str
+    capital_founder: str
+    capital_founder_born: int
+    town_founder: str
+    town_founder_born: int
+
+
+class _Namer:
+    """Draws made-up names that are unique across every entity of a world.
+
+    Every name is one word token, so a name in a question matches exactly the facts
+    about that entity, and no two entities can be confused by the retriever.
+    """
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.used: set[str] = set(_RESERVED)
+
+    def draw(self, endings: Sequence[str]) -> str:
+        while True:
+            root = "".join(
+                self.rng.choice(_ONSETS) + self.rng.choice(_VOWELS) + self.rng.choice(_CODAS)
+                for _ in range(2)
+            )
+            name = (root + self.rng.choice(endings)).capitalize()
+            if name.lower() not in self.used:
+                self.used.add(name.lower())
+                return name
+
+
+def _countries(seed: int, count: int) -> list[_Country]:
+    """Countries drawn one after another, so a smaller world is a prefix of a bigger one.
+
+    That keeps the first countries (and hence the eval questions) the same when only the
+    requested training size changes.
+    """
+    rng = random.Random(seed)
+    namer = _Namer(rng)
+    first_names = [namer.draw(_FIRST_NAME_ENDINGS) for _ in range(FIRST_NAMES)]
+
+    def person() -> str:
+        return f"{rng.choice(first_names)} {namer.draw(('',))}"
+
+    return [
+        _Country(
+            index=index,
+            name=namer.draw(_COUNTRY_ENDINGS),
+            capital=namer.draw(_CITY_ENDINGS),
+            town=namer.draw(_CITY_ENDINGS),
+            capital_founder=person(),
+            capital_founder_born=rng.randint(1500, 1950),
+            town_founder=person(),
+            town_founder_born=rng.randint(1500, 1950),
+        )
+        for index in range(count)
+    ]
+
+
+def _facts(country: _Country) -> list[Passage]:
+    """One short passage per fact."""
+    c = country
+    facts = [
+        ("capital", f"The capital of {c.name} is {c.capital}."),
+        ("town", f"{c.town} is a town in {c.name}."),
+        ("capital-founder", f"{c.capital} was founded by {c.capital_founder}."),
+        ("town-founder", f"{c.town} was founded by {c.town_founder}."),
+        ("capital-founder-born", f"{c.capital_founder} was born in {c.capital_founder_born}."),
+        ("town-founder-born", f"{c.town_founder} was born in {c.town_founder_born}."),
+    ]
+    return [Passage(f"facts-{c.index:05d}-{kind}", text) for kind, text in facts]
+
+
+def _questions(country: _Country) -> list[Question]:
+    """Four single-hop and two two-hop questions; a two-hop question names neither the
+    bridge entity nor anything in the fact that holds its answer."""
+    c = country
+    one, two = "facts-1hop", "facts-2hop"
+    items = [
+        ("capital", one, f"What is the capital of {c.name}?", c.capital),
+        ("town-founder", one, f"Who founded {c.town}?", c.town_founder),
+        ("born", one, f"In what year was {c.capital_founder} born?", str(c.capital_founder_born)),
+        ("country", one, f"In which country is {c.town}?", c.name),
+        ("capital-founder", two, f"Who founded the capital of {c.name}?", c.capital_founder),
+        (
+            "town-founder-born",
+            two,
+            f"In what year was the founder of {c.town} born?",
+            str(c.town_founder_born),
+        ),
+    ]
+    return [
+        Question(f"facts-{c.index:05d}-{kind}", text, (answer,), source)
+        for kind, source, text, answer in items
+    ]
+
+
+def generate_fact_world(
+    seed: int, entities: int = DEFAULT_COUNTRIES
+) -> tuple[list[Passage], list[Question], list[Question]]:
+    """A corpus of made-up facts and its (train, eval) questions, the same for the same seed.
+
+    ``entities`` is the number of countries; each brings a capital, a town and their two
+    founders (six facts, six questions). Every ``EVAL_EVERY``-th country is eval, so the
+    splits share no entity: an eval answer can only be found by searching, never recalled
+    from training.
+    """
+    if entities < 1:
+        raise ValueError(f"entities must be at least 1, got {entities}")
+    passages: list[Passage] = []
+    train: list[Question] = []
+    evaluation: list[Question] = []
+    for country in _countries(seed, entities):
+        passages += _facts(country)
+        split = evaluation if country.index % EVAL_EVERY == EVAL_EVERY - 1 else train
+        split += _questions(country)
+    return passages, train, evaluation
+
+
+def _countries_needed(train_size: int, eval_size: int) -> int:
+    """The smallest world (at least the default) whose splits hold the requested sizes."""
+    train_countries = math.ceil(train_size / QUESTIONS_PER_COUNTRY)
+    eval_countries = math.ceil(eval_size / QUESTIONS_PER_COUNTRY)
+    count = max(DEFAULT_COUNTRIES, EVAL_EVERY * eval_countries, train_countries)
+    while count - count // EVAL_EVERY < train_countries:
+        count += 1
+    return count
+
+
+def generated_facts(
+    data: DataConfig, seed: int
+) -> tuple[list[Passage], list[Question], list[Question]]:
+    """The world that ``generated:facts`` names for this data config and seed.
+
+    Its size depends on both configured sizes (never on the split asked for), so the train
+    questions, the eval questions and the corpus a run searches all come from one world.
+    """
+    count = _countries_needed(data.generated_train_size, data.generated_eval_size)
+    if count > MAX_COUNTRIES:
+        most_eval = MAX_COUNTRIES // EVAL_EVERY * QUESTIONS_PER_COUNTRY
+        most_train = MAX_COUNTRIES * QUESTIONS_PER_COUNTRY - most_eval
+        raise DataError(
+            f"{GENERATED_PREFIX}{GENERATED_FACTS}: at most {most_train} train and {most_eval} eval "
+            f"questions exist; asked for generated_train_size={data.generated_train_size}, "
+            f"generated_eval_size={data.generated_eval_size}"
+        )
+    passages, train, evaluation = generate_fact_world(seed, count)
+    return passages, train[: data.generated_train_size], evaluation[: data.generated_eval_size]
+
+
+def corpus_for(data: DataConfig, seed: int) -> list[Passage]:
+    """The passages a search run retrieves from: ``data.corpus``, or the generated world's."""
+    if data.corpus:
+        return load_corpus(data.corpus)
+    return generated_facts(data, seed)[0]
+
+
+# --------------------------------------------------------------------------------------
+# Files: corpus and questions
+# --------------------------------------------------------------------------------------
+
+
+def _local_file(path: str) -> Path:
+    """A readable local file, or a DataError that says why not."""
+    if path.startswith("s3://"):
+        raise DataError(f"{path}: s3:// data files are not supported here; copy the file locally")
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"{path}: file does not exist")
+    return file
+
+
+def _read_jsonl(path: str) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every non-blank line; DataError names the bad line."""
+    rows = []
+    with _local_file(path).open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(f"{path}: line {number}: not UTF-8 ({error.reason})") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path}: line {number}: invalid JSON ({error.msg})") from None
+            if not isinstance(row, dict):
+                kind = type(row).__name__
+                raise DataError(f"{path}: line {number}: expected a JSON object, got {kind}")
+            rows.append((number, row))
+    return rows
+
+
+def _passage_text(row: dict[str, Any]) -> str | None:
+    """The passage text: FlashRAG ``contents`` (title on its first line) or ``text``.
+
+    A title is kept, Search-R1 style, as ``(Title: ...)`` before the body: it often holds
+    the very entity that a query names.
+    """
+    if isinstance(row.get("contents"), str):
+        title, newline, body = row["contents"].strip().partition("\n")
+        title, body = (title.strip().strip('"'), body.strip()) if newline else ("", title)
+    elif isinstance(row.get("text"), str):
+        title, body = str(row.get("title") or "").strip(), row["text"].strip()
+    else:
+        return None
+    if not body:
+        return None
+    return f"(Title: {title}) {body}" if title else body
+
+
+def load_corpus(path: str) -> list[Passage]:
+    """A JSONL corpus; each line has ``contents`` or ``text``, and an optional ``id``.
+
+    A line without an id gets its line number, so ids stay stable when the file is read
+    again. Ids must be unique: a search result is reported by id.
+    """
+    passages = []
+    first_line: dict[str, int] = {}
+    for number, row in _read_jsonl(path):
+        text = _passage_text(row)
+        if text is None:
+            keys = ", ".join(sorted(row)) or "none"
+            raise DataError(
+                f"{path}: line {number}: no passage text (expected a non-empty 'contents' or "
+                f"'text' string; keys: {keys})"
+            )
+        pid = str(row["id"]) if row.get("id") is not None else str(number)
+        if pid in first_line:
+            raise DataError(
+                f"{path}: line {number}: duplicate id {pid!r} (first on line {first_line[pid]})"
+            )
+        first_line[pid] = number
+        passages.append(Passage(pid, text))
+    if not passages:
+        raise DataError(f"{path}: no passages (the file is empty)")
+    return passages
+
+
+def _read_rows(path: str) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+    """(label, row) pairs of a JSONL or Parquet file, and the columns that it has."""
+    suffix = Path(path).suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        rows = [(f"line {number}", row) for number, row in _read_jsonl(path)]
+        columns = sorted({key for _, row in rows for key in row})
+        return rows, columns
+    if suffix == ".parquet":
+        try:
+            table = pq.read_table(_local_file(path))
+        except (pa.ArrowException, OSError) as error:
+            raise DataError(f"{path}: not a readable Parquet file ({error})") from None
+        rows = [(f"row {index}", row) for index, row in enumerate(table.to_pylist())]
+        return rows, table.column_names
+    raise DataError(f"{path}: unsupported file type {suffix or '(none)'!r}; use .jsonl or .parquet")
+
+
+def _answers(value: Any) -> tuple[str, ...]:
+    """Accepted answers from a list (Search-R1's ``golden_answers``) or a single value."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(
+        str(item).strip()
+        for item in values
+        if isinstance(item, (str, int, float)) and not isinstance(item, bool) and str(item).strip()
+    )
+
+
+def _load_qa_file(path: str, data: DataConfig) -> list[Question]:
+    rows, columns = _read_rows(path)
+    if not rows:
+        raise DataError(f"{path}: no rows (the file is empty)")
+    required = {"question_field": data.question_field, "answer_field": data.answer_field}
+    for field, column in required.items():
+        if column not in columns:
+            raise DataError(
+                f"{path}: no column {column!r} (data.{field}); available: {', '.join(columns)}"
+            )
+    stem = Path(path).stem
+    questions = []
+    first_row: dict[str, str] = {}
+    for index, (label, row) in enumerate(rows):
+        text = row.get(data.question_field)
+        if not isinstance(text, str) or not text.strip():
+            raise DataError(f"{path}: {label}: no question in {data.question_field!r}")
+        answers = _answers(row.get(data.answer_field))
+        if not answers:
+            raise DataError(f"{path}: {label}: no answer in {data.answer_field!r}")
+        qid = str(row["id"]) if row.get("id") is not None else str(index)
+        if qid in first_row:
+            raise DataError(f"{path}: {label}: duplicate id {qid!r} (first at {first_row[qid]})")
+        first_row[qid] = label
+        source = row.get(data.data_source_field) or stem
+        questions.append(Question(qid, text.strip(), answers, str(source)))
+    return questions
+
+
+def load_qa(
+    spec: str, split: Literal["train", "eval"], data: DataConfig, seed: int
+) -> list[Question]:
+    """The questions of one split: ``generated:facts`` or a JSONL/Parquet file.
+
+    A file is the split itself (``split`` only picks the half of a generated set). Column
+    names come from ``data`` (a ``DataConfig``); a row's data source is its
+    ``data.data_source_field`` value, or the file's stem when the column is absent.
+    """
+    if spec.startswith(GENERATED_PREFIX):
+        name = spec[len(GENERATED_PREFIX):]
+        if name != GENERATED_FACTS:
+            raise DataError(
+                f"{spec}: no such generated set for the search task "
+                f"(available: {GENERATED_PREFIX}{GENERATED_FACTS})"
+            )
+        _, train, evaluation = generated_facts(data, seed)
+        return train if split == "train" else evaluation
+    return _load_qa_file(spec, data)
+
+
+# --------------------------------------------------------------------------------------
+# Reward
+# --------------------------------------------------------------------------------------
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD's normalisation, as Search-R1 scores: lower case, no punctuation, no articles,
+    single spaces; so "The Eiffel Tower." matches "eiffel tower"."""
+    text = text.lower().translate(_PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def exact_match(prediction: str | None, answers: Sequence[str]) -> float:
+    """1.0 if the normalised prediction equals any normalised gold answer, else 0.0.
+
+    No answer (None) scores 0, as an episode that never answered does.
+    """
+    if prediction is None:
+        return 0.0
+    guess = normalize_answer(prediction)
+    return float(any(guess == normalize_answer(answer) for answer in answers))
+
+
+# --------------------------------------------------------------------------------------
+# Retrieval
+# --------------------------------------------------------------------------------------
+
+
+def _tokens(text: str) -> list[str]:
+    """Lower-cased word tokens without English stopwords; no stemmer (none is installed)."""
+    return [token for token in _TOKEN.findall(text.lower()) if token not in _STOPWORDS]
+
+
+class Retriever:
+    """BM25 over a fixed list of passages.
+
+    A passage that shares no term with a query is never returned for it: BM25 scores it 0,
+    and an unrelated passage would only teach the agent that search results are noise.
+    """
+
+    def __init__(self, index: bm25s.BM25, passages: list[Passage]) -> None:
+        self.index = index
+        self.passages = passages
+
+    @classmethod
+    def build(cls, passages: list[Passage]) -> Retriever:
+        """Index the passages (numpy backend: no JIT warm-up, same results everywhere)."""
+        if not passages:
+            raise ValueError("cannot build a retriever over an empty corpus")
+        index = bm25s.BM25(backend="numpy")
+        index.index([_tokens(passage.text) for passage in passages], show_progress=False)
+        return cls(index, passages)
+
+    def search(self, queries: list[str], k: int) -> list[list[Passage]]:
+        """The best ``k`` passages for each query, best first, in one batched call.
+
+        A query with no indexed term (empty, whitespace, only stopwords or unknown words)
+        gets []; ``k`` beyond the corpus size is clamped to it.
+        """
+        if k < 1:
+            raise ValueError(f"k must be at least 1, got {k}")
+        vocabulary = self.index.vocab_dict
+        tokens = [[token for token in _tokens(query) if token in vocabulary] for query in queries]
+        asked = [position for position, query_tokens in enumerate(tokens) if query_tokens]
+        results: list[list[Passage]] = [[] for _ in queries]
+        if not asked:
+            return results
+        found, scores = self.index.retrieve(
+            [tokens[position] for position in asked],
+            k=min(k, len(self.passages)),
+            show_progress=False,
+            n_threads=0,
+            backend_selection="numpy",
+        )
+        for position, row, row_scores in zip(asked, found, scores):
+            hits = zip(row.tolist(), row_scores.tolist())
+            results[position] = [self.passages[i] for i, score in hits if score > 0]
+        return results
+
+    @staticmethod
+    def corpus_hash(passages: list[Passage]) -> str:
+        """sha256 of the index format and every (id, text), in order: the cache key."""
+        digest = hashlib.sha256(INDEX_FORMAT.encode())
+        for passage in passages:
+            line = json.dumps([passage.pid, passage.text], ensure_ascii=False) + "\n"
+            digest.update(line.encode())
+        return digest.hexdigest()
+
+    def save_to(self, writer: ArtifactWriter) -> None:
+        """The passages and every file bm25s writes (numpy arrays without pickle, JSON)."""
+        lines = [json.dumps({"id": p.pid, "text": p.text}, ensure_ascii=False) for p in self.passages]
+        writer.write_bytes(PASSAGES_FILE, "".join(line + "\n" for line in lines).encode())
+        with tempfile.TemporaryDirectory() as folder:
+            self.index.save(folder, show_progress=False, allow_pickle=False)
+            writer.put_dir(folder, INDEX_DIR)
+
+    @classmethod
+    def load_from(cls, artifact: Artifact) -> Retriever:
+        """A retriever saved by ``save_to``; CorruptArtifact if its files do not make one.
+
+        Arrays are loaded with ``allow_pickle=False``: a store is input, and unpickling
+        input runs arbitrary code.
+        """
+        passages = _read_passages(artifact)
+        with tempfile.TemporaryDirectory() as folder:
+            artifact.download(folder, prefix=INDEX_DIR)
+            try:
+                index = bm25s.BM25.load(folder, allow_pickle=False, mmap=False)
+            except (ValueError, OSError, KeyError, TypeError) as error:
+                raise CorruptArtifact(
+                    f"{artifact.uri}: not a loadable BM25 index ({error})"
+                ) from None
+        if index.scores["num_docs"] != len(passages):
+            raise CorruptArtifact(
+                f"{artifact.uri}: the index has {index.scores['num_docs']} documents "
+                f"but {PASSAGES_FILE} has {len(passages)}"
+            )
+        return cls(index, passages)
+
+
+def _read_passages(artifact: Artifact) -> list[Passage]:
+    try:
+        lines = artifact.read_bytes(PASSAGES_FILE).decode("utf-8").splitlines()
+        return [Passage(str(row["id"]), str(row["text"])) for row in map(json.loads, lines)]
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+        location = artifact.store.uri(artifact.path, PASSAGES_FILE)
+        raise CorruptArtifact(f"{location}: unreadable ({error})") from None
+
+
+def cached_retriever(passages: list[Passage], store: Store) -> Retriever:
+    """The retriever for this corpus, built once and then loaded from the store.
+
+    A cache that cannot be read (a file modified, truncated or missing) is derived data:
+    it is rebuilt and replaced, with a warning, rather than failing the run. When another
+    process finishes the same cache first, its copy is loaded.
+    """
+    path = f"{CACHE_PREFIX}/{Retriever.corpus_hash(passages)}"
+    if store.exists(path):
+        try:
+            return Retriever.load_from(store.open(path))
+        except CorruptArtifact as error:
+            logger.warning("rebuilding the BM25 cache: %s", error)
+    retriever = Retriever.build(passages)
+    try:
+        meta = {"format": INDEX_FORMAT, "passages": len(passages)}
+        with store.writer(path, overwrite=store.exists(path), meta=meta) as writer:
+            retriever.save_to(writer)
+    except ArtifactExists:
+        return Retriever.load_from(store.open(path))
+    return retriever
+
+
+def format_passages(passages: list[Passage]) -> str:
+    """The body of an ``<information>`` block, numbered as Search-R1 shows results.
+
+    Newlines inside a passage become spaces so that each document stays on its line.
+    """
+    return "\n".join(
+        f"Doc {rank}: {' '.join(passage.text.split())}"
+        for rank, passage in enumerate(passages, start=1)
+    )

@@ -1,0 +1,146 @@
+"""A worker group's rollout side: its tokenizer, its engine, and the policy version it holds.
+
+``WorkerGroupRuntime`` runs inside a Ray actor (one per worker group) or in-process. It
+turns agent prompts (text) into chat-formatted token ids with ITS OWN tokenizer, so a
+heterogeneous team (different models, different tokenizers) just works, and it reloads
+weights only when asked for a policy version other than the one it holds: the store is
+the source of truth, the actor a cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from drmas.config import SamplingConfig, StoreConfig
+from drmas.engines import make_engine
+from drmas.models import load_tokenizer
+from drmas.store import Store
+
+__all__ = ["GenerationResult", "PolicyRef", "WorkerGroupRuntime"]
+
+
+@dataclass(frozen=True)
+class PolicyRef:
+    """Where a worker group's weights are: ``policy/{wg}/`` (or ``prefix``) in an artifact."""
+
+    artifact: str
+    """Artifact path relative to the store root (e.g. exp/run/iter-000003/checkpoint)."""
+    prefix: str
+    """Folder inside the artifact holding the HF layout (e.g. policy/solver)."""
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """One generated response with the ids it was generated from."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+
+
+class WorkerGroupRuntime:
+    """Tokenise, generate, detokenise for one worker group; load, offload, resume."""
+
+    def __init__(
+        self,
+        name: str,
+        store: StoreConfig,
+        engine: str = "hf",
+        dtype: str = "float32",
+        max_prompt_tokens: int = 1024,
+        cache_dir: str | None = None,
+        threads: int | None = None,
+    ) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.name = name
+        self.store_config = store
+        self.engine = make_engine(engine, dtype)
+        self.max_prompt_tokens = max_prompt_tokens
+        self.cache_dir = Path(cache_dir or Path.home() / ".cache" / "drmas" / "policies")
+        self.version: str | None = None
+        self.tokenizer = None
+        self.stop_ids: list[int] = []
+
+    # -- policy versions -----------------------------------------------------------------
+
+    def load_policy(self, policy: PolicyRef) -> bool:
+        """Make ``policy`` the held version; returns False when it already was (no reload)."""
+        store = Store.from_config(self.store_config)
+        artifact = store.open(policy.artifact)
+        prefix = policy.prefix.rstrip("/") + "/"
+        entries = sorted((n, e.sha256) for n, e in artifact.files.items() if n.startswith(prefix))
+        if not entries:
+            raise FileNotFoundError(f"{artifact.uri} has no files under {prefix}")
+        version = hashlib.sha256(repr(entries).encode()).hexdigest()[:16]
+        if version == self.version:
+            return False
+        local = self.cache_dir / f"{self.name}-{version}"
+        if not (local / "config.json").exists():
+            staging = local.with_name(local.name + f".tmp-{os.getpid()}")
+            shutil.rmtree(staging, ignore_errors=True)
+            artifact.download(staging, prefix=policy.prefix)
+            staging.rename(local)
+        self.tokenizer = load_tokenizer(local)
+        self.stop_ids = _stop_ids(self.tokenizer)
+        self.engine.load(local)
+        self.version = version
+        return True
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def offload(self) -> None:
+        self.engine.offload()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def status(self) -> dict[str, object]:
+        return {"name": self.name, "version": self.version, "resident": self.engine.resident}
+
+    # -- generation --------------------------------------------------------------------
+
+    def generate(self, messages: list[str], sampling: SamplingConfig, seed: int) -> list[GenerationResult]:
+        """One batched generate: every message is one user turn, chat-formatted."""
+        if self.tokenizer is None:
+            raise RuntimeError(f"worker group {self.name!r}: generate() before load_policy()")
+        prompts = [self._encode(message) for message in messages]
+        generations = self.engine.generate(prompts, sampling, self.stop_ids, seed)
+        return [
+            GenerationResult(
+                prompt_ids=prompt,
+                response_ids=g.response_ids,
+                logprobs=g.logprobs,
+                text=self.tokenizer.decode(g.response_ids, skip_special_tokens=True),
+                finish_reason=g.finish_reason,
+            )
+            for prompt, g in zip(prompts, generations, strict=True)
+        ]
+
+    def _encode(self, message: str) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False
+        )
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= self.max_prompt_tokens:
+            return ids
+        half = self.max_prompt_tokens // 2  # truncate the middle: keep the task and the role
+        return ids[:half] + ids[len(ids) - (self.max_prompt_tokens - half) :]
+
+
+def _stop_ids(tokenizer) -> list[int]:
+    """End-of-turn and end-of-text tokens: generation stops at any of them."""
+    candidates = [tokenizer.eos_token_id]
+    for token in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            candidates.append(token_id)
+    return sorted({c for c in candidates if c is not None})

@@ -1,0 +1,235 @@
+"""Orchestra routing and agent parsing, driven by a scripted pool.
+
+The scripted pool is a fake at the engine boundary: it returns chosen texts instead of
+sampling a model, so each routing rule is tested exactly. Real models through Ray are in
+test_rollout.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from drmas.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent, find_tag
+from drmas.config import load_config
+from drmas.episodes import Episode
+from drmas.orchestras import MathOrchestra, SearchOrchestra, Tools
+from drmas.rollout import build_team, draw_questions, play
+from drmas.tasks import Question
+from drmas.tasks.search import Passage, Retriever
+from drmas.workers import GenerationResult
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+
+
+class ScriptedPool:
+    """Answers each generate with ``script(wg, prompt)``; records every batched call."""
+
+    def __init__(self, script: Callable[[str, str], str]) -> None:
+        self.script = script
+        self.calls: list[tuple[str, int]] = []
+
+    def load(self, policies) -> None:
+        pass
+
+    def generate(self, wg, messages, sampling, seed):
+        self.calls.append((wg, len(messages)))
+        return [
+            GenerationResult([1, 2, 3], [4, 5], [-0.5, -0.25], self.script(wg, m), "stop") for m in messages
+        ]
+
+
+def math_team(script, *overrides):
+    config = load_config(CONFIGS / "math_tiny.yaml", ["workers.sharing=none", *overrides])
+    pool = ScriptedPool(script)
+    orchestra, team = build_team(config, Tools(), pool, seed=0)
+    return orchestra, team, pool
+
+
+def questions(*texts: str, answer: str = "7") -> list[Question]:
+    return [Question(f"q{i}", text, (answer,), "test") for i, text in enumerate(texts)]
+
+
+def agents_of(episode: Episode) -> list[str]:
+    return [call.agent for call in episode.calls]
+
+
+# ------------------------------------------------------------------------------------
+# math
+# ------------------------------------------------------------------------------------
+
+
+def test_math_loop_stops_when_approved_and_never_reruns_approved_items():
+    def script(wg, prompt):
+        if wg == "solver":
+            return "so \\boxed{7}"
+        # "hard" questions are rejected every time; "easy" ones approved at once.
+        return "<verify>reject</verify>" if "hard" in prompt else "<verify>approve</verify>"
+
+    orchestra, team, pool = math_team(script, "task.max_loops=3")
+    easy, hard = play(orchestra, team, questions("easy one", "hard one"), group_size=1, prefix="t")
+    assert agents_of(easy) == ["solver", "verifier"]
+    # No verification after the last (third) solve.
+    assert agents_of(hard) == ["solver", "verifier", "solver", "verifier", "solver"]
+    # One batched generate per agent per step: the approved episode leaves the batch.
+    assert pool.calls == [("solver", 2), ("verifier", 2), ("solver", 1), ("verifier", 1), ("solver", 1)]
+    assert easy.reward == 1.0 and hard.reward == 1.0
+
+
+def test_math_final_answer_is_the_last_solver_output():
+    attempts = iter(["first try \\boxed{3}", "second try \\boxed{7}"])
+
+    def script(wg, prompt):
+        return next(attempts) if wg == "solver" else "wrong. <verify>reject</verify>"
+
+    orchestra, team, _ = math_team(script)
+    [episode] = play(orchestra, team, questions("3 + 4"), group_size=1, prefix="t")
+    assert episode.final_answer == "second try \\boxed{7}"
+    assert episode.reward == 1.0 and episode.success
+    # The second Solver saw the first attempt and the Verifier's verdict as team context.
+    second_prompt_context = episode.team_context
+    assert second_prompt_context[:2] == ["Solver: first try \\boxed{3}", "Verifier: reject"]
+
+
+@pytest.mark.parametrize(("passes", "expected"), [(True, ["solver", "verifier"]), (False, ["solver", "verifier", "solver"])])
+def test_math_malformed_verdict_is_a_documented_setting(passes, expected):
+    def script(wg, prompt):
+        return "\\boxed{7}" if wg == "solver" else "looks fine <verify>maybe</verify>"
+
+    orchestra, team, _ = math_team(script, f"task.malformed_verdict_passes={passes}")
+    [episode] = play(orchestra, team, questions("q"), group_size=1, prefix="t")
+    assert agents_of(episode) == expected
+    verifier_call = episode.calls[1]
+    assert not verifier_call.is_valid  # malformed either way: it pays the format penalty
+
+
+def test_math_empty_and_garbage_outputs_never_crash():
+    outputs = {"solver": "", "verifier": "\x00" * 10 + "<verify>" * 1000}
+    orchestra, team, _ = math_team(lambda wg, prompt: outputs[wg])
+    episodes = play(orchestra, team, questions("a", "b"), group_size=2, prefix="t")
+    assert all(e.reward == 0.0 and not e.success for e in episodes)
+    assert all(not call.is_valid for e in episodes for call in e.calls)
+
+
+def test_group_size_makes_episodes_share_a_uid():
+    orchestra, team, _ = math_team(lambda wg, p: "\\boxed{7}" if wg == "solver" else "<verify>approve</verify>")
+    episodes = play(orchestra, team, questions("a", "b"), group_size=3, prefix="i0")
+    assert [e.uid for e in episodes] == ["i0-q0"] * 3 + ["i0-q1"] * 3
+    assert len({e.traj_uid for e in episodes}) == 6
+    assert [e.sample_idx for e in episodes] == [0, 1, 2, 0, 1, 2]
+
+
+# ------------------------------------------------------------------------------------
+# search
+# ------------------------------------------------------------------------------------
+
+PASSAGES = [
+    Passage("0", "The capital of Zorbania is Quellin."),
+    Passage("1", "Quellin was founded by Mara Voss."),
+    Passage("2", "The river Tessa flows through Brandov."),
+]
+
+
+def search_team(script, *overrides):
+    config = load_config(CONFIGS / "search_tiny.yaml", ["workers.sharing=none", *overrides])
+    pool = ScriptedPool(script)
+    orchestra, team = build_team(config, Tools(retriever=Retriever.build(PASSAGES)), pool, seed=0)
+    return orchestra, team, pool
+
+
+def test_search_routes_no_to_search_then_yes_to_answer():
+    def script(wg, prompt):
+        if wg == "verifier":
+            return "<verify>yes</verify>" if "<information>" in prompt else "<verify>no</verify>"
+        if wg == "search":
+            return "<think>need the capital</think><search>capital of Zorbania</search>"
+        return "<think>found it</think><answer>Quellin</answer>"
+
+    orchestra, team, pool = search_team(script)
+    [episode] = play(orchestra, team, questions("What is the capital of Zorbania?", answer="Quellin"), 1, "t")
+    assert agents_of(episode) == ["verifier", "search", "verifier", "answer"]
+    assert [c.env_step for c in episode.calls] == [1, 1, 2, 2]
+    query, information = episode.history[0]
+    assert query == "capital of Zorbania" and "Quellin" in information
+    assert episode.final_answer == "Quellin" and episode.reward == 1.0
+    assert all(call.is_valid for call in episode.calls)
+
+
+def test_search_last_turn_allows_no_search_and_ends_without_answer():
+    def script(wg, prompt):
+        return "<verify>no</verify>" if wg == "verifier" else "<think>t</think><search>river</search>"
+
+    orchestra, team, pool = search_team(script, "task.max_turns=2")
+    [episode] = play(orchestra, team, questions("Which river?", answer="Tessa"), 1, "t")
+    assert agents_of(episode) == ["verifier", "search", "verifier"]
+    assert episode.final_answer is None and episode.reward == 0.0 and episode.done
+
+
+def test_search_malformed_route_counts_as_yes_and_batches_per_step():
+    def script(wg, prompt):
+        if wg == "verifier":
+            return "hmm" if "first" in prompt else "<verify>no</verify>"
+        if wg == "search":
+            return "<search>Quellin</search>"  # no think block: invalid, but still searched
+        return "<think>x</think><answer>Mara Voss</answer>"
+
+    orchestra, team, pool = search_team(script, "task.max_turns=3")
+    episodes = play(orchestra, team, questions("first q", "second q", "third q", answer="Mara Voss"), 1, "t")
+    first, second, third = episodes
+    assert agents_of(first) == ["verifier", "answer"] and first.reward == 1.0
+    assert agents_of(second) == ["verifier", "search", "verifier", "search", "verifier"]
+    assert not second.calls[1].is_valid and second.history[0][0] == "Quellin"
+    # Per step: one verifier call over all active episodes, one search and one answer call.
+    assert pool.calls == [("verifier", 3), ("search", 2), ("answer", 1), ("verifier", 2), ("search", 2), ("verifier", 2)]
+
+
+def test_search_orchestra_requires_a_retriever():
+    config = load_config(CONFIGS / "search_tiny.yaml")
+    with pytest.raises(ValueError, match="needs a retriever"):
+        SearchOrchestra(config.task, Tools())
+
+
+# ------------------------------------------------------------------------------------
+# agents' parsers
+# ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("agent", "text", "extracted", "valid"),
+    [
+        (SolverAgent(), "x \\boxed{1} then \\boxed{2}", "x \\boxed{1} then \\boxed{2}", True),
+        (SolverAgent(), "no box at all", "no box at all", False),
+        (MathVerifierAgent(), "ok <verify>approve</verify>", "approve", True),
+        (MathVerifierAgent(), "<verify>reject</verify> <verify>approve</verify>", "approve", True),
+        (MathVerifierAgent(), "<verify>Approve</verify>", "", False),
+        (MathVerifierAgent(), "好 <verify>approve</verify>", "approve", False),
+        (RouterAgent(), "<VERIFY>YES</VERIFY>", "yes", True),
+        (RouterAgent(), "<verify>perhaps</verify>", "", False),
+        (SearchAgent(), "<think>a</think><search> q </search>", "q", True),
+        (SearchAgent(), "<think>a</think><think>b</think><search>q</search>", "q", False),
+        (SearchAgent(), "</think>a<think><search>q</search>", "q", False),
+        (SearchAgent(), "<search><search>q</search>", "q", False),  # nested tags, no think block
+        (AnswerAgent(), "<think>t</think><answer>Paris</answer>", "Paris", True),
+        (AnswerAgent(), "", "", False),
+    ],
+)
+def test_parsers(agent, text, extracted, valid):
+    parsed = agent.parse(text)
+    assert (parsed.text, parsed.is_valid) == (extracted, valid)
+
+
+def test_find_tag_takes_the_last_and_survives_huge_input():
+    assert find_tag("<a>1</a> <a> 2 </a>", "a") == "2"
+    assert find_tag("<a>" * 50_000, "a") is None
+    assert find_tag("<a>" * 50_000 + "x</a>", "a") == "x"
+    assert find_tag("</a><a>", "a") is None
+
+
+def test_draw_questions_cycles_epochs_without_repeats():
+    pool = questions(*[f"q{i}" for i in range(10)])
+    first_epoch = [q.qid for i in range(2) for q in draw_questions(pool, 5, i, seed=1)]
+    assert sorted(first_epoch) == sorted(q.qid for q in pool)
+    assert draw_questions(pool, 5, 3, seed=1) == draw_questions(pool, 5, 3, seed=1)
+    assert [q.qid for q in draw_questions(pool, 5, 0, seed=1)] != [q.qid for q in draw_questions(pool, 5, 0, seed=2)]
