@@ -46,3 +46,18 @@ def store(request: pytest.FixtureRequest, tmp_path) -> Store:
         return Store(str(tmp_path / "store"))
     server = request.getfixturevalue("s3_env")
     return Store(f"s3://{S3_BUCKET}/{uuid.uuid4().hex}", server.endpoint)
+
+
+@pytest.fixture(scope="session")
+def ray_session(tmp_path_factory: pytest.TempPathFactory):
+    """A local Ray for the whole session (pool resource 'pool_slot'), shut down at the end."""
+    import ray
+
+    from drmas.config import DrmasConfig
+    from drmas.pool import connect_ray
+
+    config = DrmasConfig.model_validate({"agents": [{"name": "solver", "model": "m"}, {"name": "verifier", "model": "m"}]})
+    started = connect_ray(config, tmp_path_factory.mktemp("ray"))
+    yield
+    if started:
+        ray.shutdown()

@@ -243,11 +243,21 @@ def test_load_corpus_skips_blank_lines_and_keeps_line_numbers(tmp_path):
         (b"\n  \n", "no passages (the file is empty)"),
         (b'{"text": "a"}\n{"text": \n', "line 2: invalid JSON"),
         (b'["text"]\n', "line 1: expected a JSON object, got list"),
-        (b'{"id": 1, "body": "a"}\n', "line 1: no passage text (expected a non-empty 'contents' or 'text' string; keys: body, id)"),
+        (
+            b'{"id": 1, "body": "a"}\n',
+            "line 1: no passage text (expected a non-empty 'contents' or 'text' string; "
+            "keys: body, id)",
+        ),
         (b'{"text": "   "}\n', "line 1: no passage text"),
         (b'{"text": "a"}\n{"text": "caf\xe9"}\n', "line 2: not UTF-8"),
-        (b'{"id": "a", "text": "x"}\n{"text": "y"}\n{"id": "a", "text": "z"}\n', "line 3: duplicate id 'a' (first on line 1)"),
-        (b'{"text": "x"}\n{"id": "1", "text": "y"}\n', "line 2: duplicate id '1' (first on line 1)"),
+        (
+            b'{"id": "a", "text": "x"}\n{"text": "y"}\n{"id": "a", "text": "z"}\n',
+            "line 3: duplicate id 'a' (first on line 1)",
+        ),
+        (
+            b'{"text": "x"}\n{"id": "1", "text": "y"}\n',
+            "line 2: duplicate id '1' (first on line 1)",
+        ),
     ],
 )
 def test_load_corpus_errors_name_file_and_line(tmp_path, content, message):
@@ -273,14 +283,19 @@ def test_load_qa_jsonl_search_r1_format(tmp_path):
     path = _jsonl(
         tmp_path / "nq.jsonl",
         [
-            {"id": "q1", "question": " who wrote it? ", "golden_answers": ["Ann", "Ann Lee"], "data_source": "nq"},
-            {"id": "q2", "question": "when?", "golden_answers": ["1901", ""], "data_source": "hotpotqa"},
+            {
+                "id": "q1",
+                "question": " who wrote it? ",
+                "golden_answers": ["Ann", "Ann Lee"],
+                "data_source": "nq",
+            },
+            {"id": "q2", "question": "when?", "golden_answers": ["1901", ""], "data_source": "hq"},
         ],
     )
     data = DataConfig(answer_field="golden_answers")
     assert load_qa(path, "train", data, SEED) == [
         Question("q1", "who wrote it?", ("Ann", "Ann Lee"), "nq"),
-        Question("q2", "when?", ("1901",), "hotpotqa"),
+        Question("q2", "when?", ("1901",), "hq"),
     ]
 
 
@@ -298,13 +313,25 @@ def test_load_qa_parquet_with_plain_answers_and_own_field_names(tmp_path):
     ("rows", "message"),
     [
         ([{"question": "a?"}], "no column 'answer' (data.answer_field); available: question"),
-        ([{"text": "a?", "answer": "x"}], "no column 'question' (data.question_field); available: answer, text"),
+        (
+            [{"text": "a?", "answer": "x"}],
+            "no column 'question' (data.question_field); available: answer, text",
+        ),
         ([], "no rows (the file is empty)"),
-        ([{"question": "a?", "answer": "x"}, {"question": " ", "answer": "y"}], "line 2: no question in 'question'"),
+        (
+            [{"question": "a?", "answer": "x"}, {"question": " ", "answer": "y"}],
+            "line 2: no question in 'question'",
+        ),
         ([{"question": "a?", "answer": []}], "line 1: no answer in 'answer'"),
         ([{"question": "a?", "answer": None}], "line 1: no answer in 'answer'"),
         ([{"question": "a?"}, {"question": "b?", "answer": "x"}], "line 1: no answer in 'answer'"),
-        ([{"id": 5, "question": "a?", "answer": "x"}, {"id": 5, "question": "b?", "answer": "y"}], "line 2: duplicate id '5' (first at line 1)"),
+        (
+            [
+                {"id": 5, "question": "a?", "answer": "x"},
+                {"id": 5, "question": "b?", "answer": "y"},
+            ],
+            "line 2: duplicate id '5' (first at line 1)",
+        ),
     ],
 )
 def test_load_qa_jsonl_errors(tmp_path, rows, message):
@@ -333,7 +360,10 @@ def test_load_qa_parquet_errors_name_the_row(tmp_path):
         ("{tmp}/absent.jsonl", "absent.jsonl: file does not exist"),
         ("{tmp}/qa.csv", "unsupported file type '.csv'; use .jsonl or .parquet"),
         ("s3://bucket/qa.jsonl", "s3:// data files are not supported here"),
-        ("generated:arithmetic", "no such generated set for the search task (available: generated:facts)"),
+        (
+            "generated:arithmetic",
+            "no such generated set for the search task (available: generated:facts)",
+        ),
     ],
 )
 def test_load_qa_bad_specs(tmp_path, spec, message):
@@ -355,12 +385,14 @@ def test_generated_facts_meets_the_configured_sizes():
 def test_generated_eval_set_does_not_change_with_the_train_size():
     small = DataConfig(generated_train_size=10, generated_eval_size=50)
     large = DataConfig(generated_train_size=3000, generated_eval_size=50)
-    assert load_qa("generated:facts", "eval", small, SEED) == load_qa("generated:facts", "eval", large, SEED)
+    evaluation = load_qa("generated:facts", "eval", small, SEED)
+    assert evaluation == load_qa("generated:facts", "eval", large, SEED)
 
 
 def test_generated_facts_too_many_questions_says_how_many_exist():
     data = DataConfig(generated_train_size=10_000_000)
-    with pytest.raises(DataError, match=r"generated:facts: at most 108000 train and 12000 eval questions exist"):
+    message = r"generated:facts: at most 108000 train and 12000 eval questions exist"
+    with pytest.raises(DataError, match=message):
         load_qa("generated:facts", "train", data, SEED)
 
 
@@ -428,7 +460,8 @@ def test_corpus_hash_is_stable_and_sees_every_change():
     assert re.fullmatch(r"[0-9a-f]{64}", digest)
     assert digest != Retriever.corpus_hash(RIVERS[::-1])
     assert digest != Retriever.corpus_hash([*RIVERS[:2], Passage("p3", RIVERS[2].text + " ")])
-    assert Retriever.corpus_hash([Passage("a", "bc")]) != Retriever.corpus_hash([Passage("ab", "c")])
+    boundary = Retriever.corpus_hash([Passage("a", "bc")])
+    assert boundary != Retriever.corpus_hash([Passage("ab", "c")])
 
 
 def test_save_and_load_through_the_store(tmp_path):
@@ -452,9 +485,8 @@ def test_load_refuses_pickled_arrays(tmp_path):
     Retriever.build(RIVERS).index.save(str(folder), show_progress=False)
     np.save(folder / "data.csc.index.npy", np.array([{"x": 1}], dtype=object), allow_pickle=True)
     with store.writer("index") as writer:
-        writer.write_bytes("passages.jsonl", b"".join(
-            json.dumps({"id": p.pid, "text": p.text}).encode() + b"\n" for p in RIVERS
-        ))
+        lines = [json.dumps({"id": p.pid, "text": p.text}) + "\n" for p in RIVERS]
+        writer.write_bytes("passages.jsonl", "".join(lines).encode())
         writer.put_dir(folder, "index")
     with pytest.raises(CorruptArtifact, match="not a loadable BM25 index.*allow_pickle"):
         Retriever.load_from(store.open("index"))
@@ -505,7 +537,8 @@ def test_cache_builds_once_then_loads(tmp_path, counted_builds):
 def test_damaged_cache_is_rebuilt_with_a_warning(tmp_path, counted_builds, caplog, damage):
     store = Store(str(tmp_path / "store"))
     cached_retriever(RIVERS, store)
-    victim = Path(store.root) / f"_cache/bm25/{Retriever.corpus_hash(RIVERS)}/index/vocab.index.json"
+    cache = Path(store.root) / f"_cache/bm25/{Retriever.corpus_hash(RIVERS)}"
+    victim = cache / "index" / "vocab.index.json"
     if damage == "modify":
         victim.write_text("{}")
     else:

@@ -99,10 +99,11 @@ class TaskConfig(Section):
 
 
 class DataConfig(Section):
-    train: str = "generated:arithmetic"
-    """Training prompts: a JSONL or Parquet file (local or s3://), or 'generated:NAME' for a
-    set that ships with drmas."""
-    eval: str = "generated:arithmetic"
+    train: str | None = None
+    """Training prompts: a local JSONL, JSON or Parquet file, or 'generated:NAME' for a set
+    that ships with drmas. Unset: the task's generated set (math: generated:arithmetic,
+    search: generated:facts)."""
+    eval: str | None = None
     """Evaluation prompts, same forms as ``train`` (a generated set uses its eval split)."""
     question_field: str = "question"
     """Column holding the question text."""
@@ -116,6 +117,10 @@ class DataConfig(Section):
     """Questions in a generated training set."""
     generated_eval_size: int = Field(200, ge=1)
     """Questions in a generated eval set."""
+
+
+GENERATED_DATA = {"math": "generated:arithmetic", "search": "generated:facts"}
+"""The set each task uses when ``data.train`` / ``data.eval`` are unset."""
 
 
 class ModelSpec(Section):
@@ -483,6 +488,11 @@ class DrmasConfig(Section):
     def agent_to_worker_group(self) -> dict[str, str]:
         """Agent name -> worker-group name."""
         return {agent: wg.name for wg in self.worker_groups() for agent in wg.agents}
+
+    def data_spec(self, split: Literal["train", "eval"]) -> str:
+        """Where the ``split`` questions come from: the configured file or generated set."""
+        spec = self.data.train if split == "train" else self.data.eval
+        return spec or GENERATED_DATA[self.task.name]
 
     def agent_sampling(self, agent_name: str) -> SamplingConfig:
         """The rollout sampling of one agent: rollout.sampling with its overrides."""

@@ -91,7 +91,7 @@ class RolloutResult:
 
 def task_questions(config: DrmasConfig, split: str) -> list[Question]:
     """The task's questions for ``split`` ('train' or 'eval')."""
-    spec = config.data.train if split == "train" else config.data.eval
+    spec = config.data_spec(split)
     if config.task.name == "math":
         from drmas.tasks.math import load_math_questions  # noqa: PLC0415
 

@@ -519,7 +519,9 @@ class Retriever:
 
     def save_to(self, writer: ArtifactWriter) -> None:
         """The passages and every file bm25s writes (numpy arrays without pickle, JSON)."""
-        lines = [json.dumps({"id": p.pid, "text": p.text}, ensure_ascii=False) for p in self.passages]
+        lines = [
+            json.dumps({"id": p.pid, "text": p.text}, ensure_ascii=False) for p in self.passages
+        ]
         writer.write_bytes(PASSAGES_FILE, "".join(line + "\n" for line in lines).encode())
         with tempfile.TemporaryDirectory() as folder:
             self.index.save(folder, show_progress=False, allow_pickle=False)

@@ -1,0 +1,96 @@
+"""The rollout stage end to end: real tiny models (random init, tokenizers trained on the
+fly) in Ray actors, both tasks, shared, separate and heterogeneous worker groups."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pytest
+
+from drmas.config import load_config
+from drmas.models import load_tokenizer
+from drmas.policies import init_policies
+from drmas.pool import RayPool
+from drmas.rollout import rollout
+from drmas.schema import TRAJECTORY_SCHEMA
+from drmas.store import Store
+
+pytestmark = pytest.mark.slow
+CONFIGS = Path(__file__).parent.parent / "configs"
+SMALL = [
+    "rollout.prompts_per_iteration=3",
+    "rollout.group_size=2",
+    "rollout.sampling.max_new_tokens=12",
+    "data.generated_train_size=50",
+    "data.generated_eval_size=10",
+    "models.tiny.hidden_size=32",
+    "models.tiny.intermediate_size=64",
+    "models.tiny.num_layers=1",
+]
+
+
+def run_rollouts(config, tmp_path, iterations=(0,), run_id="run"):
+    store = Store(str(tmp_path / "store"))
+    policies = init_policies(config, store, run_id)
+    with RayPool(config, store, cache_dir=tmp_path / "cache", threads=1) as pool:
+        results = [rollout(config, store, run_id, i, policies, pool) for i in iterations]
+        status, loads = pool.status(), pool.loads
+    tables = [store.open(r.artifact).read_table("trajectories.parquet", TRAJECTORY_SCHEMA) for r in results]
+    return store, results, tables, status, loads
+
+
+def test_math_rollout_separate_models_is_deterministic(ray_session, tmp_path):
+    config = load_config(CONFIGS / "math_tiny.yaml", [*SMALL, "workers.sharing=none", "ray.max_resident=1"])
+    _, results, [table], status, loads = run_rollouts(config, tmp_path / "a")
+    metrics = results[0].metrics
+    assert table.num_rows == metrics["agent/solver/calls"] + metrics["agent/verifier/calls"]
+    assert set(table["agent"].to_pylist()) <= {"solver", "verifier"}
+    assert table["wg"].to_pylist() == table["agent"].to_pylist()  # sharing: none
+    # 3 prompts x 2 episodes, grouped by uid; at most solver, verifier, solver batched calls.
+    assert len(set(table["uid"].to_pylist())) == 3 and len(set(table["traj_uid"].to_pylist())) == 6
+    assert metrics["rollout/generate_calls"] <= 3
+    assert all(len(ids) == len(lp) for ids, lp in zip(table["response_ids"].to_pylist(), table["rollout_logprobs"].to_pylist()))
+    assert pc.max(pc.list_value_length(table["response_ids"])).as_py() <= 12
+    # max_resident 1: only one worker group holds its weights after the rollout.
+    assert sum(s["resident"] for s in status.values()) == 1 and loads == 2
+    _, _, [again], _, _ = run_rollouts(config, tmp_path / "b")
+    assert again.equals(table)  # same seed, same file
+
+
+def test_search_rollout_one_shared_model(ray_session, tmp_path):
+    config = load_config(
+        CONFIGS / "search_tiny.yaml",
+        [*SMALL, "workers.sharing=by_model", "task.max_turns=2", "ray.max_resident=1"],
+    )
+    store, results, [table], status, _ = run_rollouts(config, tmp_path)
+    assert set(table["wg"].to_pylist()) == {"verifier-search-answer"}
+    agents = table["agent"].to_pylist()
+    assert agents.count("verifier") >= 6  # every episode's first turn routes
+    assert set(agents) <= {"verifier", "search", "answer"}
+    assert store.list("_cache/bm25")  # the BM25 index was built once and cached in the store
+    assert set(table["data_source"].to_pylist()) <= {"facts-1hop", "facts-2hop"}
+
+
+def test_heterogeneous_models_use_their_own_tokenizers(ray_session, tmp_path):
+    config = load_config(
+        CONFIGS / "math_tiny.yaml",
+        [
+            *SMALL,
+            "models.big={hidden_size: 64, intermediate_size: 128, num_layers: 2, vocab_size: 400}",
+            "models.tiny.vocab_size=300",
+            "agents.verifier.model=big",
+            "workers.sharing=by_model",
+            "ray.max_resident=2",
+        ],
+    )
+    store, results, tables, status, loads = run_rollouts(config, tmp_path, iterations=(0, 1))
+    assert loads == 2  # the second iteration reused both resident policy versions
+    assert all(s["resident"] for s in status.values())
+    table = tables[1]
+    init = store.open("math-tiny/run/init")
+    tokenizers = {wg: load_tokenizer(init.download(tmp_path / wg, prefix=f"policy/{wg}")) for wg in ("solver", "verifier")}
+    assert len(tokenizers["solver"]) != len(tokenizers["verifier"])
+    for row in table.to_pylist():
+        prompt = tokenizers[row["wg"]].decode(row["prompt_ids"])
+        assert "Problem: What is" in prompt, prompt  # each prompt decodes with its own tokenizer
