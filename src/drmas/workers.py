@@ -104,7 +104,7 @@ class WorkerGroupRuntime:
         self.engine.resume()
 
     def status(self) -> dict[str, object]:
-        return {"name": self.name, "version": self.version, "resident": self.engine.resident}
+        return {"name": self.name, "version": self.version, "resident": self.engine.resident, "pid": os.getpid()}
 
     # -- generation --------------------------------------------------------------------
 
