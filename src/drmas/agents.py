@@ -119,9 +119,7 @@ class MathVerifierAgent:
         )
 
     def parse(self, response: str) -> Parsed:
-        verdict = find_tag(response, "verify")
-        well_formed = verdict in ("approve", "reject") and not CJK.search(response)
-        return Parsed(text=verdict if verdict in ("approve", "reject") else "", is_valid=well_formed)
+        return _verdict(response, ("approve", "reject"))
 
 
 # ------------------------------------------------------------------------------------
@@ -129,64 +127,79 @@ class MathVerifierAgent:
 # ------------------------------------------------------------------------------------
 
 
+def _verdict(response: str, options: tuple[str, str]) -> Parsed:
+    """A <verify> verdict that must be one of ``options``; anything else is malformed."""
+    verdict = find_tag(response, "verify")
+    well_formed = verdict in options and not CJK.search(response)
+    return Parsed(text=verdict if verdict in options else "", is_valid=well_formed)
+
+
+def _tagged_after_thinking(response: str, tag: str) -> Parsed:
+    """The content of <tag>, valid with exactly one think block before it (reference rule)."""
+    content = find_tag(response, tag)
+    well_formed = content is not None and _one_think_block(response) and not CJK.search(response)
+    return Parsed(text=content or "", is_valid=well_formed)
+
+
+def _search_prompt(episode: Episode, history_length: int, instruction: str) -> str:
+    """The question, the last turns' queries and passages, then the role's instruction."""
+    history = _history(episode, history_length)
+    return (
+        f"Question: {episode.question.question}\n"
+        + (f"History:\n{history}\n" if history else "")
+        + instruction
+    )
+
+
+@dataclass(frozen=True)
 class RouterAgent:
     """Judges whether the retrieved information suffices: yes -> answer, no -> search."""
 
-    def __init__(self, history_length: int = 4) -> None:
-        self.history_length = history_length
+    history_length: int = 4
 
     def prompt(self, episode: Episode, step: int) -> str:
-        history = _history(episode, self.history_length)
-        return (
-            f"Question: {episode.question.question}\n"
-            + (f"History:\n{history}\n" if history else "")
-            + f"You are the Verifier at step {step}. Is the information enough to answer? "
-            "End with <verify>yes</verify> or <verify>no</verify>."
+        return _search_prompt(
+            episode,
+            self.history_length,
+            f"You are the Verifier at step {step}. Is the information enough to answer? "
+            "End with <verify>yes</verify> or <verify>no</verify>.",
         )
 
     def parse(self, response: str) -> Parsed:
-        verdict = find_tag(response.lower(), "verify")
-        well_formed = verdict in ("yes", "no") and not CJK.search(response)
-        return Parsed(text=verdict if verdict in ("yes", "no") else "", is_valid=well_formed)
+        return _verdict(response.lower(), ("yes", "no"))
 
 
+@dataclass(frozen=True)
 class SearchAgent:
     """Writes one search query; the orchestra answers it with retrieved passages."""
 
-    def __init__(self, history_length: int = 4) -> None:
-        self.history_length = history_length
+    history_length: int = 4
 
     def prompt(self, episode: Episode, step: int) -> str:
-        history = _history(episode, self.history_length)
-        return (
-            f"Question: {episode.question.question}\n"
-            + (f"History:\n{history}\n" if history else "")
-            + f"Teammates at step {step}:\n{_context(episode)}\n"
+        return _search_prompt(
+            episode,
+            self.history_length,
+            f"Teammates at step {step}:\n{_context(episode)}\n"
             "You are the Searcher. Think in <think></think>, then give one query as "
-            "<search>query</search>."
+            "<search>query</search>.",
         )
 
     def parse(self, response: str) -> Parsed:
-        query = find_tag(response, "search")
-        well_formed = query is not None and _one_think_block(response) and not CJK.search(response)
-        return Parsed(text=query or "", is_valid=well_formed)
+        return _tagged_after_thinking(response, "search")
 
 
+@dataclass(frozen=True)
 class AnswerAgent:
     """Gives the final answer from the retrieved information."""
 
-    def __init__(self, history_length: int = 4) -> None:
-        self.history_length = history_length
+    history_length: int = 4
 
     def prompt(self, episode: Episode, step: int) -> str:
-        history = _history(episode, self.history_length)
-        return (
-            f"Question: {episode.question.question}\n"
-            + (f"History:\n{history}\n" if history else "")
-            + "You are the Answerer. Think in <think></think>, then answer as <answer>answer</answer>."
+        return _search_prompt(
+            episode,
+            self.history_length,
+            "You are the Answerer. Think in <think></think>, then answer as <answer>answer</answer>.",
         )
 
     def parse(self, response: str) -> Parsed:
-        answer = find_tag(response, "answer")
-        well_formed = answer is not None and _one_think_block(response) and not CJK.search(response)
-        return Parsed(text=answer or "", is_valid=well_formed)
+        return _tagged_after_thinking(response, "answer")

@@ -56,10 +56,10 @@ def _run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     _print_worker_groups(config)
     print(
-        "drmas run: the config is valid, but training is not built yet: the rollout stage "
-        "(agents, orchestras, engines on Ray), the update and checkpoint stages, and the "
-        "embedded runner land with the next issues. What exists: the config, the advantage "
-        "math (drmas.algos) and the artifact store (drmas.store)."
+        "drmas run: the config is valid, but training is not built yet: the update and "
+        "checkpoint stages and the embedded runner land with the next issues. What exists: "
+        "the config, the advantage math (drmas.algos), the artifact store (drmas.store) and "
+        "the rollout stage (drmas.rollout, with the worker-group pool on Ray)."
     )
     return 0
 

@@ -70,6 +70,11 @@ class Orchestra(Protocol):
     def reward(self, episode: Episode) -> float: ...
 
 
+def _passes(verdict: Parsed, yes: str, no: str, malformed_passes: bool) -> bool:
+    """A verifier's verdict as a decision; a missing or malformed one follows the setting."""
+    return verdict.text == yes if verdict.text in (yes, no) else malformed_passes
+
+
 class MathOrchestra:
     """Solver then Verifier, up to ``task.max_loops`` Solver calls per episode.
 
@@ -98,18 +103,13 @@ class MathOrchestra:
             still_pending = []
             for episode, verdict in zip(pending, verdicts, strict=True):
                 episode.team_context.append(f"Verifier: {verdict.text or 'no verdict'}")
-                if not self._approves(verdict):
+                if not _passes(verdict, "approve", "reject", self.malformed_passes):
                     still_pending.append(episode)
             pending = still_pending
             if not pending:
                 break
         for episode in episodes:
             episode.done = True
-
-    def _approves(self, verdict: Parsed) -> bool:
-        if verdict.text in ("approve", "reject"):
-            return verdict.text == "approve"
-        return self.malformed_passes
 
     def reward(self, episode: Episode) -> float:
         return math_reward(episode.final_answer, episode.question)
@@ -148,7 +148,8 @@ class SearchOrchestra:
             to_search, to_answer = [], []
             for episode, route in zip(active, routes, strict=True):
                 episode.team_context.append(f"Verifier: {route.text or 'no verdict'}")
-                (to_answer if self._enough(route) else to_search).append(episode)
+                enough = _passes(route, "yes", "no", self.malformed_passes)
+                (to_answer if enough else to_search).append(episode)
             if step < self.max_turns and to_search:
                 queries = team.call("search", to_search, step)
                 passages = self.retriever.search([q.text for q in queries], self.top_k)
@@ -158,11 +159,6 @@ class SearchOrchestra:
                 episode.final_answer, episode.done = answer.text, True
         for episode in episodes:
             episode.done = True
-
-    def _enough(self, route: Parsed) -> bool:
-        if route.text in ("yes", "no"):
-            return route.text == "yes"
-        return self.malformed_passes
 
     def reward(self, episode: Episode) -> float:
         from drmas.tasks.search import exact_match  # noqa: PLC0415
