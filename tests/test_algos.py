@@ -262,6 +262,9 @@ def test_row_weighted_multipliers_average_to_one(batch):
 def test_constant_team_reward_reports_nan_ratios():
     stats = agent_reward_stats(np.ones(4), ["a", "a", "b", "b"])
     assert math.isnan(stats["a"].multiplier) and stats["a"].mean == 1.0
+    # All calls penalised: -0.1 with rounding noise is still a constant team.
+    rounded = agent_reward_stats(np.array([0.0, 0.0, 0.0]) - 0.1 * np.ones(3), ["a", "b", "b"])
+    assert math.isnan(rounded["b"].multiplier)
 
 
 # ------------------------------------------------------------------------------------

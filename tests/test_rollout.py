@@ -88,8 +88,10 @@ def test_heterogeneous_models_use_their_own_tokenizers(ray_session, tmp_path):
     assert loads == 2  # the second iteration reused both resident policy versions
     assert all(s["resident"] for s in status.values())
     table = tables[1]
-    init = store.open("math-tiny/run/init")
-    tokenizers = {wg: load_tokenizer(init.download(tmp_path / wg, prefix=f"policy/{wg}")) for wg in ("solver", "verifier")}
+    tokenizers = {
+        wg: load_tokenizer(store.open(f"math-tiny/run/init/policy/{wg}").download(tmp_path / wg))
+        for wg in ("solver", "verifier")
+    }
     assert len(tokenizers["solver"]) != len(tokenizers["verifier"])
     for row in table.to_pylist():
         prompt = tokenizers[row["wg"]].decode(row["prompt_ids"])

@@ -300,9 +300,12 @@ def agent_reward_stats(score: np.ndarray, agent: Any) -> dict[str, AgentRewardSt
     mean_k = np.bincount(codes, weights=score, minlength=n_agents) / np.maximum(count, 1)  # [K]
     deviation = score - mean_k[codes]  # [N]
     var_k = np.bincount(codes, weights=deviation**2, minlength=n_agents) / np.maximum(count, 1)
+    # A team variance at rounding level (e.g. every score -0.1) is a constant team: the
+    # ratios are undefined there, not astronomically large.
+    spread = global_var > 1e-12 * max(1.0, global_mean**2)
     with np.errstate(divide="ignore", invalid="ignore"):
-        variance_ratio = var_k / global_var if global_var > 0 else np.full(n_agents, np.nan)
-        mismatch = (mean_k - global_mean) ** 2 / global_var if global_var > 0 else variance_ratio
+        variance_ratio = var_k / global_var if spread else np.full(n_agents, np.nan)
+        mismatch = (mean_k - global_mean) ** 2 / global_var if spread else variance_ratio
     return {
         names[k]: AgentRewardStats(
             agent=names[k],

@@ -2,14 +2,18 @@
 
     drmas config CONFIG [a.b=value ...]   validate, print worker groups and the resolved JSON
     drmas config --docs                   every config field with its documentation
-    drmas run CONFIG [a.b=value ...]      train (the embedded runner)
+    drmas run CONFIG [a.b=value ...] [--run-id ID] [--resume ID]
+                                          train with the embedded runner (resumable)
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import time
 import typing
+from pathlib import Path
 
 from pydantic import BaseModel
 
@@ -28,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     run_cmd = commands.add_parser("run", help="train a team with the embedded runner")
     run_cmd.add_argument("config", help="YAML config file")
     run_cmd.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    run_cmd.add_argument("--run-id", help="name of the run (default: experiment.run_id or a timestamp)")
+    run_cmd.add_argument("--resume", metavar="RUN_ID", help="continue this run after its last complete iteration")
 
     args = parser.parse_args(argv)
     try:
@@ -53,14 +59,26 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from drmas.runner import open_run, train  # noqa: PLC0415
+    from drmas.store import Store, StoreError  # noqa: PLC0415
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     config = load_config(args.config, args.overrides)
+    run_id = args.resume or args.run_id or config.experiment.run_id or time.strftime("%Y%m%d-%H%M%S")
     _print_worker_groups(config)
-    print(
-        "drmas run: the config is valid, but training is not built yet: the update and "
-        "checkpoint stages and the embedded runner land with the next issues. What exists: "
-        "the config, the advantage math (drmas.algos), the artifact store (drmas.store) and "
-        "the rollout stage (drmas.rollout, with the worker-group pool on Ray)."
-    )
+    try:
+        store = Store.from_config(config.store)
+        config = open_run(config, store, run_id, resume=args.resume is not None)
+        print(f"run {run_id}: {config.experiment.iterations} iterations, store {store.uri(config.experiment.name)}/{run_id}")
+        summary = train(config, store, run_id, cache_dir=Path(".cache") / "drmas")
+    except (StoreError, ValueError) as error:
+        print(f"drmas run: cannot continue run {run_id}: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"drmas run: interrupted; resume with: drmas run {args.config} --resume {run_id}", file=sys.stderr)
+        return 130
+    if summary.iterations_run == 0:
+        print(f"run {run_id}: nothing left to do (all {config.experiment.iterations} iterations are complete)")
     return 0
 
 

@@ -269,6 +269,13 @@ class TrainConfig(Section):
     rollout engine's (costs one forward pass; removes engine/trainer mismatch)."""
 
 
+class DiagnosticsConfig(Section):
+    per_agent_grad_norm: bool = False
+    """Also measure the gradient norm of each agent's share of the loss, separately, even
+    when agents share a model (the paper's per-agent figure). Costs one extra backward pass
+    per agent and optimizer step."""
+
+
 class EvalConfig(Section):
     every: int = Field(0, ge=0)
     """Evaluate every this many iterations (and after the last); 0 never evaluates."""
@@ -343,6 +350,8 @@ class DrmasConfig(Section):
     """Group size, batch and sampling of the rollout."""
     train: TrainConfig = Field(default_factory=TrainConfig)
     """The per-worker-group update."""
+    diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
+    """Extra measurements."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Periodic evaluation."""
     store: StoreConfig = Field(default_factory=StoreConfig)

@@ -5,7 +5,8 @@
 A worker group whose model spec says ``source: scratch`` gets a tokenizer trained on the
 task's text (questions, answers, every agent's prompt, the tags agents must write) and a
 freshly initialised model; any other model is a hub id or a local folder, loaded (from
-safetensors) and saved as it is. Either way the store holds HF-layout folders at
+safetensors) and saved as it is; ``s3://...`` names a policy artifact of an earlier run.
+Either way the store holds one HF-layout artifact per worker group at
 ``{experiment}/{run_id}/init/policy/{wg}/`` and every later stage reads from there.
 """
 
@@ -18,10 +19,11 @@ from drmas.config import DrmasConfig, WorkerGroup
 from drmas.episodes import Episode
 from drmas.models import build_scratch_policy, load_model, load_tokenizer
 from drmas.registry import load_orchestra
+from drmas.layout import init_policy_path
 from drmas.store import Store
 from drmas.workers import PolicyRef
 
-__all__ = ["init_path", "init_policies", "tokenizer_corpus"]
+__all__ = ["init_policies", "tokenizer_corpus"]
 
 AGENT_TAGS = (
     "\\boxed{}",
@@ -37,33 +39,39 @@ AGENT_TAGS = (
 )
 
 
-def init_path(config: DrmasConfig, run_id: str) -> str:
-    return f"{config.experiment.name}/{run_id}/init"
-
-
 def init_policies(config: DrmasConfig, store: Store, run_id: str, overwrite: bool = False) -> dict[str, PolicyRef]:
     """Write every worker group's initial policy (once) and return where each one is."""
-    path = init_path(config, run_id)
     groups = config.worker_groups()
-    if not store.exists(path) or overwrite:
-        with tempfile.TemporaryDirectory() as scratch, store.writer(path, overwrite=overwrite, meta={"stage": "init"}) as out:
-            texts = tokenizer_corpus(config) if any(_is_scratch(g) for g in groups) else []
-            for index, group in enumerate(groups):
-                local = Path(scratch) / group.name
-                _materialise(group, texts, local, seed=config.experiment.seed + index)
-                out.put_dir(local, f"policy/{group.name}")
-    return {group.name: PolicyRef(path, f"policy/{group.name}") for group in groups}
+    paths = {g.name: init_policy_path(config.experiment.name, run_id, g.name) for g in groups}
+    todo = [g for g in groups if overwrite or not store.exists(paths[g.name])]
+    texts = tokenizer_corpus(config) if any(_is_scratch(g) for g in todo) else []
+    for index, group in enumerate(groups):
+        if group not in todo:
+            continue
+        with tempfile.TemporaryDirectory() as scratch:
+            local = Path(scratch) / group.name
+            _materialise(group, texts, local, config, seed=config.experiment.seed + index)
+            with store.writer(paths[group.name], overwrite=overwrite, meta={"stage": "init", "wg": group.name}) as out:
+                out.put_dir(local, "")
+    return {name: PolicyRef(path, "") for name, path in paths.items()}
 
 
 def _is_scratch(group: WorkerGroup) -> bool:
     return group.spec is not None and group.spec.source == "scratch"
 
 
-def _materialise(group: WorkerGroup, texts: list[str], out_dir: Path, seed: int) -> None:
+def _materialise(group: WorkerGroup, texts: list[str], out_dir: Path, config: DrmasConfig, seed: int) -> None:
+    """Put the group's initial policy in ``out_dir``: built from scratch, copied from an
+    artifact of an earlier run (an s3:// URI), or loaded from a hub id or local folder."""
     if _is_scratch(group):
         build_scratch_policy(group.spec, texts, out_dir, seed)
         return
     source = group.spec.source if group.spec is not None else group.model
+    if source.startswith("s3://"):
+        bucket, _, key = source[len("s3://") :].partition("/")
+        store = Store(f"s3://{bucket}", config.store.endpoint, config.store.region)
+        store.open(key).download(out_dir)
+        return
     dtype = group.spec.dtype if group.spec is not None else "float32"
     load_model(source, dtype).save_pretrained(out_dir, safe_serialization=True)
     load_tokenizer(source).save_pretrained(out_dir)

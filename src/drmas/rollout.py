@@ -25,11 +25,12 @@ from drmas.episodes import Call, Episode, episodes_to_table
 from drmas.orchestras import Tools
 from drmas.registry import load_orchestra
 from drmas.schema import TRAJECTORY_SCHEMA
-from drmas.store import Store, iteration_path
+from drmas.layout import StageResult, stage_path
+from drmas.store import Store
 from drmas.tasks import Question
 from drmas.workers import GenerationResult, PolicyRef
 
-__all__ = ["GeneratePool", "RolloutResult", "TeamOnPool", "draw_questions", "rollout", "task_questions", "task_tools"]
+__all__ = ["GeneratePool", "TeamOnPool", "draw_questions", "rollout", "task_questions", "task_tools"]
 
 
 class GeneratePool(Protocol):
@@ -81,12 +82,6 @@ class TeamOnPool:
             self.tokens += len(result.response_ids)
             parsed.append(reading)
         return parsed
-
-
-@dataclass(frozen=True)
-class RolloutResult:
-    artifact: str
-    metrics: dict[str, float]
 
 
 def task_questions(config: DrmasConfig, split: str) -> list[Question]:
@@ -159,7 +154,7 @@ def rollout(
     policies: dict[str, PolicyRef],
     pool: GeneratePool,
     overwrite: bool = False,
-) -> RolloutResult:
+) -> StageResult:
     """Roll out one iteration and write ``{iteration}/rollout/trajectories.parquet``."""
     started = time.perf_counter()
     seed = config.experiment.seed
@@ -170,11 +165,11 @@ def rollout(
     table = episodes_to_table(episodes, run_id, iteration)
     seconds = time.perf_counter() - started
     metrics = rollout_metrics(episodes, team, seconds)
-    path = iteration_path(config.experiment.name, run_id, iteration) + "/rollout"
+    path = stage_path(config.experiment.name, run_id, iteration, "rollout")
     with store.writer(path, overwrite=overwrite, meta={"stage": "rollout", "iteration": iteration}) as out:
         out.write_table("trajectories.parquet", table, TRAJECTORY_SCHEMA)
         out.write_json("metrics.json", metrics)
-    return RolloutResult(path, metrics)
+    return StageResult(path, metrics)
 
 
 def rollout_metrics(episodes: list[Episode], team: TeamOnPool, seconds: float) -> dict[str, float]:

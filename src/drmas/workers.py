@@ -27,12 +27,12 @@ __all__ = ["GenerationResult", "PolicyRef", "WorkerGroupRuntime"]
 
 @dataclass(frozen=True)
 class PolicyRef:
-    """Where a worker group's weights are: ``policy/{wg}/`` (or ``prefix``) in an artifact."""
+    """Where a worker group's weights are: an artifact in HF layout (or a folder in one)."""
 
     artifact: str
-    """Artifact path relative to the store root (e.g. exp/run/iter-000003/checkpoint)."""
-    prefix: str
-    """Folder inside the artifact holding the HF layout (e.g. policy/solver)."""
+    """Artifact path relative to the store root (e.g. exp/run/iter-000003/policy/solver)."""
+    prefix: str = ""
+    """Folder inside the artifact holding the HF layout; empty: the artifact itself."""
 
 
 @dataclass(frozen=True)
@@ -76,10 +76,10 @@ class WorkerGroupRuntime:
         """Make ``policy`` the held version; returns False when it already was (no reload)."""
         store = Store.from_config(self.store_config)
         artifact = store.open(policy.artifact)
-        prefix = policy.prefix.rstrip("/") + "/"
+        prefix = policy.prefix.rstrip("/") + "/" if policy.prefix else ""
         entries = sorted((n, e.sha256) for n, e in artifact.files.items() if n.startswith(prefix))
-        if not entries:
-            raise FileNotFoundError(f"{artifact.uri} has no files under {prefix}")
+        if not any(name == f"{prefix}config.json" for name, _ in entries):
+            raise FileNotFoundError(f"{artifact.uri} has no policy (config.json) under '{prefix}'")
         version = hashlib.sha256(repr(entries).encode()).hexdigest()[:16]
         if version == self.version:
             return False

@@ -1,0 +1,459 @@
+"""The update stage: one worker group's policy-gradient step on its rows of the batch.
+
+    update(config, store, run_id, iteration, wg, policy, optim) -> StageResult
+
+1. Read the iteration's batch and keep this worker group's rows (all its agents' calls).
+2. Split them into ``train.updates_per_iteration`` mini-batches (a fixed number of
+   optimizer steps whatever the row count: the reference's adaptive mini-batch), each into
+   micro-batches by ``train.micro_batch_size`` rows and ``train.max_tokens_per_micro_batch``.
+3. Per micro-batch: the current policy's log-probs of the response tokens, the clipped loss
+   of ``drmas.algos.policy_loss`` with the row's advantage on every response token (old
+   log-probs from the rollout, or recomputed), optional KL to the frozen initial policy
+   and entropy bonus; gradients accumulate over the mini-batch.
+4. Clip the gradient norm; a non-finite norm skips the step (counted, never checkpointed).
+5. Write the new policy (HF layout, safetensors) and the optimizer, scheduler and RNG state
+   (safetensors + JSON, never pickle) as two artifacts, manifests last.
+
+Data-parallel: under ``torchrun`` each rank takes every world-size-th micro-batch and the
+gradients are summed across ranks; the loss is normalised by the mini-batch's global token
+count, so 2 processes compute the same update as 1. Backends: plain torch (AdamW), or
+DeepSpeed (ZeRO stage from config, the same torch optimizer on CPU; gloo on CPU, nccl on
+GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+import torch.distributed as dist
+
+from drmas.algos import aggregate_loss, policy_loss
+from drmas.config import DrmasConfig, WorkerGroup
+from drmas.layout import StageResult, optim_path, policy_path, stage_path
+from drmas.models import load_model, load_tokenizer
+from drmas.schema import BATCH_SCHEMA
+from drmas.store import Store
+from drmas.workers import PolicyRef
+
+__all__ = ["MicroBatch", "TrainState", "micro_batches", "update"]
+
+
+# --------------------------------------------------------------------------------------
+# Batching
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class MicroBatch:
+    """Rows packed for one forward/backward; right-padded prompt + response sequences."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    response_mask: torch.Tensor  # [B, L-1]: 1 where the next token is a response token
+    old_logprobs: torch.Tensor  # [B, L-1], zero outside the response
+    advantages: torch.Tensor  # [B]
+    agents: list[str]
+
+
+def micro_batches(rows: list[dict[str, Any]], max_rows: int, max_tokens: int | None) -> list[list[int]]:
+    """Row indices packed in order: at most ``max_rows`` rows and ``max_tokens`` padded
+    tokens (rows x longest sequence) per micro-batch; a longer row gets one to itself."""
+    packs: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for index, row in enumerate(rows):
+        length = len(row["prompt_ids"]) + len(row["response_ids"])
+        grown = max(longest, length) * (len(current) + 1)
+        if current and (len(current) >= max_rows or (max_tokens is not None and grown > max_tokens)):
+            packs.append(current)
+            current, longest = [], 0
+        current.append(index)
+        longest = max(longest, length)
+    if current:
+        packs.append(current)
+    return packs
+
+
+def collate(rows: list[dict[str, Any]], pad_id: int) -> MicroBatch:
+    lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
+    width = max(lengths)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    response = torch.zeros((len(rows), width - 1))
+    old = torch.zeros((len(rows), width - 1))
+    for b, row in enumerate(rows):
+        prompt, answer = row["prompt_ids"], row["response_ids"]
+        ids[b, : lengths[b]] = torch.tensor(prompt + answer, dtype=torch.long)
+        attention[b, : lengths[b]] = 1
+        # Token t+1 is predicted at position t: response token j sits at P+j, predicted at P+j-1.
+        start, end = len(prompt) - 1, len(prompt) - 1 + len(answer)
+        response[b, start:end] = 1.0
+        old[b, start:end] = torch.tensor(row["rollout_logprobs"], dtype=torch.float32)
+    return MicroBatch(
+        input_ids=ids,
+        attention_mask=attention,
+        response_mask=response,
+        old_logprobs=old,
+        advantages=torch.tensor([r["advantage"] for r in rows], dtype=torch.float32),
+        agents=[r["agent"] for r in rows],
+    )
+
+
+def token_logprobs(model: torch.nn.Module, batch: MicroBatch, want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(next token) [B, L-1] under ``model``, and the per-token entropy if asked."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    log_probs = torch.log_softmax(logits, dim=-1)  # [B, L-1, V]
+    taken = log_probs.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, L-1]
+    entropy = -(log_probs.exp() * log_probs).sum(-1) if want_entropy else None  # [B, L-1]
+    return taken, entropy
+
+
+# --------------------------------------------------------------------------------------
+# Training engines
+# --------------------------------------------------------------------------------------
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class TorchEngine:
+    """AdamW with linear warm-up; gradients summed across data-parallel ranks."""
+
+    def __init__(self, model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> None:
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=group.lr, weight_decay=config.train.weight_decay)
+        warmup = group.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        )
+        self.grad_clip = config.train.grad_clip
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        loss.backward()
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the summed gradient, before clipping."""
+        self._all_reduce()
+        norms = [p.grad.detach().norm(2) for p in self.params if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+    def step(self, norm: float) -> bool:
+        """Clip and step; skip (and clear) on a non-finite norm. True if stepped."""
+        stepped = math.isfinite(norm)
+        if stepped:
+            scale = min(1.0, self.grad_clip / (norm + 1e-6))
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return stepped
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _all_reduce(self) -> None:
+        if _world()[1] > 1:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+
+class DeepSpeedEngine(TorchEngine):
+    """DeepSpeed (ZeRO 0-2) around the same torch AdamW; DeepSpeed clips and steps.
+
+    DeepSpeed averages gradients over ranks; the loss is scaled by the world size so that
+    the result is the same sum as the torch engine's.
+    """
+
+    def __init__(self, model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> None:
+        super().__init__(model, group, config)
+        import deepspeed  # noqa: PLC0415
+
+        _, world = _world()
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "train_batch_size": world,
+            "gradient_clipping": config.train.grad_clip,
+            "zero_optimization": {"stage": config.train.zero_stage},
+            "bf16": {"enabled": group.spec is not None and group.spec.dtype == "bfloat16"},
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=self.optimizer, lr_scheduler=self.scheduler, config=ds_config
+        )
+        self.world = world
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(boundary)
+        self.engine.backward(loss * self.world)
+
+    def grad_norm(self) -> float:
+        return float("nan")  # known after the step (DeepSpeed computes it while clipping)
+
+    def step(self, norm: float) -> bool:
+        self.engine.step()
+        reported = self.engine.get_global_grad_norm()
+        self.last_norm = float(reported) if reported is not None else float("nan")
+        return True
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+
+def make_engine(model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> TorchEngine:
+    if config.train.backend == "deepspeed":
+        return DeepSpeedEngine(model, group, config)
+    return TorchEngine(model, group, config)
+
+
+# --------------------------------------------------------------------------------------
+# State: optimizer, scheduler, RNG (safetensors + JSON, never pickle)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainState:
+    """Everything besides the weights that an exact resume needs."""
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+
+
+def capture_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> TrainState:
+    names = {id(p): n for n, p in model.named_parameters()}
+    tensors: dict[str, torch.Tensor] = {"rng/torch": torch.get_rng_state()}
+    steps: dict[str, float] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    tensors[f"optim/{names[id(param)]}/{key}"] = value.detach().cpu().contiguous()
+                elif key == "step":
+                    steps[names[id(param)]] = float(value)
+    meta = {"scheduler": scheduler.state_dict() if scheduler is not None else {}, "steps": steps}
+    meta["scheduler"] = {k: v for k, v in meta["scheduler"].items() if k != "lr_lambdas"}
+    return TrainState(tensors, meta)
+
+
+def restore_state(state: TrainState, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        if name not in state.meta["steps"]:
+            continue
+        slot = optimizer.state[param]
+        slot["step"] = torch.tensor(state.meta["steps"][name])
+        for key in ("exp_avg", "exp_avg_sq"):
+            saved = state.tensors.get(f"optim/{name}/{key}")
+            if saved is None or saved.shape != param.shape:
+                raise ValueError(f"optimizer state for {name}.{key} is missing or has another shape")
+            slot[key] = saved.clone()
+    if scheduler is not None and state.meta.get("scheduler"):
+        scheduler.load_state_dict({**scheduler.state_dict(), **state.meta["scheduler"]})
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
+    torch.set_rng_state(state.tensors["rng/torch"])
+
+
+def save_state(state: TrainState, folder: Path) -> None:
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state.tensors, str(folder / "optimizer.safetensors"))
+    (folder / "state.json").write_text(json.dumps(state.meta, sort_keys=True))
+
+
+def load_state(folder: Path) -> TrainState:
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    return TrainState(load_file(str(folder / "optimizer.safetensors")), json.loads((folder / "state.json").read_text()))
+
+
+# --------------------------------------------------------------------------------------
+# The stage
+# --------------------------------------------------------------------------------------
+
+
+def update(
+    config: DrmasConfig,
+    store: Store,
+    run_id: str,
+    iteration: int,
+    wg: str,
+    policy: PolicyRef,
+    optim: PolicyRef | None,
+    reference: PolicyRef | None = None,
+    overwrite: bool = False,
+) -> StageResult:
+    """Update one worker group; write its policy and optimizer state (rank 0 writes)."""
+    started = time.perf_counter()
+    rank, world = _world()
+    group = next(g for g in config.worker_groups() if g.name == wg)
+    experiment = config.experiment.name
+    rows = _worker_group_rows(store, stage_path(experiment, run_id, iteration, "advantage"), wg)
+    with tempfile.TemporaryDirectory() as scratch:
+        local = store.open(policy.artifact).download(Path(scratch) / "policy", prefix=policy.prefix)
+        dtype = group.spec.dtype if group.spec is not None else "float32"
+        model = load_model(local, dtype)
+        model.train()
+        tokenizer = load_tokenizer(local)
+        engine = make_engine(model, group, config)
+        if optim is not None:
+            state_dir = store.open(optim.artifact).download(Path(scratch) / "optim", prefix=optim.prefix)
+            restore_state(load_state(state_dir), model, engine.optimizer, engine.scheduler)
+        ref_model = _reference(config, store, reference, Path(scratch), dtype)
+        metrics = _train(config, group, engine, model, ref_model, rows, tokenizer.pad_token_id, iteration, rank, world)
+        metrics[f"wg/{wg}/time"] = time.perf_counter() - started
+        metrics[f"wg/{wg}/tokens_per_s"] = metrics[f"wg/{wg}/tokens"] / max(metrics[f"wg/{wg}/time"], 1e-9)
+        out_policy = policy_path(experiment, run_id, iteration, wg)
+        if rank == 0:
+            saved = Path(scratch) / "out"
+            model.save_pretrained(saved / "policy", safe_serialization=True)
+            tokenizer.save_pretrained(saved / "policy")
+            save_state(capture_state(model, engine.optimizer, engine.scheduler), saved / "optim")
+            meta = {"stage": "update", "iteration": iteration, "wg": wg}
+            with store.writer(optim_path(experiment, run_id, iteration, wg), overwrite=overwrite, meta=meta) as out:
+                out.put_dir(saved / "optim", "")
+            with store.writer(out_policy, overwrite=overwrite, meta=meta) as out:
+                out.put_dir(saved / "policy", "")
+                out.write_json("metrics.json", metrics)
+    return StageResult(out_policy, metrics)
+
+
+def _worker_group_rows(store: Store, batch_path: str, wg: str) -> list[dict[str, Any]]:
+    table = store.open(batch_path).read_table("batch.parquet", BATCH_SCHEMA)
+    mine = table.filter(pc.equal(table["wg"], wg))
+    if mine.num_rows == 0:
+        raise ValueError(f"{store.uri(batch_path)}: no rows for worker group {wg!r}")
+    columns = ["agent", "prompt_ids", "response_ids", "rollout_logprobs", "advantage"]
+    return mine.select(columns).to_pylist()
+
+
+def _reference(config: DrmasConfig, store: Store, reference: PolicyRef | None, scratch: Path, dtype: str):
+    if config.algorithm.kl_coef == 0.0:
+        return None
+    if reference is None:
+        raise ValueError("algorithm.kl_coef > 0 needs a reference policy (the run's initial policy)")
+    local = store.open(reference.artifact).download(scratch / "reference", prefix=reference.prefix)
+    model = load_model(local, dtype)
+    model.requires_grad_(False)
+    return model
+
+
+def _train(config, group, engine, model, ref_model, rows, pad_id, iteration, rank, world) -> dict[str, float]:
+    """``updates_per_iteration`` optimizer steps over the rows; returns the wg's metrics."""
+    train, algorithm = config.train, config.algorithm
+    order = np.random.default_rng([config.experiment.seed, iteration, len(rows)]).permutation(len(rows))
+    steps = min(train.updates_per_iteration, len(rows))
+    totals: dict[str, float] = {"loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl": 0.0, "logprob_gap": 0.0}
+    norms, skipped, tokens = [], 0, 0
+    agent_norms: dict[str, list[float]] = {}
+    want_entropy = True
+    for mini in np.array_split(order, steps):
+        mini_rows = [rows[i] for i in mini]
+        mini_tokens = sum(len(r["response_ids"]) for r in mini_rows)
+        packs = micro_batches(mini_rows, group.micro_batch_size, train.max_tokens_per_micro_batch)
+        mine = packs[rank::world]
+        if config.diagnostics.per_agent_grad_norm:
+            for agent in sorted({r["agent"] for r in mini_rows}):
+                engine.zero_grad()
+                for pack in mine:
+                    _micro_step(engine, model, ref_model, collate([mini_rows[i] for i in pack], pad_id), mini_tokens, len(mini_rows), config, want_entropy=False, only_agent=agent, boundary=False)
+                agent_norms.setdefault(agent, []).append(TorchEngine.grad_norm(engine))
+                engine.zero_grad()
+        for index, pack in enumerate(mine):
+            batch = collate([mini_rows[i] for i in pack], pad_id)
+            weight = batch.response_mask.sum().item() / max(mini_tokens, 1)
+            stats = _micro_step(engine, model, ref_model, batch, mini_tokens, len(mini_rows), config, want_entropy, None, boundary=index == len(mine) - 1)
+            for key, value in stats.items():
+                totals[key] += value * weight / steps
+        norm = engine.grad_norm()
+        stepped = engine.step(norm)
+        norm = getattr(engine, "last_norm", norm)
+        skipped += int(not stepped or not math.isfinite(norm))
+        norms.append(norm)
+        tokens += mini_tokens
+    prefix = f"wg/{group.name}"
+    metrics = {f"{prefix}/{key}": value for key, value in totals.items()}
+    metrics |= {
+        f"{prefix}/grad_norm": float(np.mean(norms)),
+        f"{prefix}/grad_norm_max": float(np.max(norms)),
+        f"{prefix}/skipped": float(skipped),
+        f"{prefix}/steps": float(steps),
+        f"{prefix}/tokens": float(tokens),
+        f"{prefix}/rows": float(len(rows)),
+        f"{prefix}/lr": engine.lr(),
+    }
+    for agent, values in agent_norms.items():
+        metrics[f"agent/{agent}/grad_norm"] = float(np.mean(values))
+    if algorithm.kl_coef == 0.0:
+        metrics.pop(f"{prefix}/kl")
+    return metrics
+
+
+def _micro_step(engine, model, ref_model, batch: MicroBatch, mini_tokens: int, mini_rows: int, config: DrmasConfig, want_entropy: bool, only_agent: str | None, boundary: bool) -> dict[str, float]:
+    """Forward, loss (normalised to the whole mini-batch), backward; returns its metrics."""
+    algorithm = config.algorithm
+    mask = batch.response_mask
+    if only_agent is not None:
+        keep = torch.tensor([agent == only_agent for agent in batch.agents], dtype=mask.dtype)
+        mask = mask * keep.unsqueeze(-1)
+    logprobs, entropy = token_logprobs(model, batch, want_entropy or algorithm.entropy_coef > 0)
+    old = logprobs.detach() if config.train.recompute_old_logprobs else batch.old_logprobs
+    ref = None
+    if ref_model is not None:
+        with torch.no_grad():
+            ref, _ = token_logprobs(ref_model, batch, want_entropy=False)
+    loss, stats = policy_loss(
+        logprobs,
+        old,
+        batch.advantages,
+        mask,
+        clip_ratio_low=algorithm.clip_ratio_low,
+        clip_ratio_high=algorithm.clip_ratio_high,
+        clip_ratio_c=algorithm.clip_ratio_c,
+        aggregation=algorithm.loss_aggregation,
+        num_tokens=mini_tokens,
+        ref_logprobs=ref,
+        kl_coef=algorithm.kl_coef,
+        entropy=entropy if algorithm.entropy_coef > 0 else None,
+        entropy_coef=algorithm.entropy_coef,
+    )
+    if algorithm.loss_aggregation != "token-mean":
+        loss = loss * (len(batch.agents) / mini_rows)
+    engine.backward(loss, boundary)
+    with torch.no_grad():
+        result = {
+            "loss": loss.item() * mini_tokens / max(mask.sum().item(), 1),
+            "clipfrac": stats["clipfrac"],
+            "approx_kl": stats["approx_kl"],
+            "logprob_gap": aggregate_loss((logprobs.detach() - batch.old_logprobs).abs(), mask).item(),
+        }
+        if entropy is not None:
+            result["entropy"] = aggregate_loss(entropy.detach(), mask).item()
+        if "kl" in stats:
+            result["kl"] = stats["kl"]
+    return result
