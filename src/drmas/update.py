@@ -149,11 +149,14 @@ class TorchEngine:
     def grad_norm(self) -> float:
         """Global L2 norm of the summed gradient, before clipping."""
         self._all_reduce()
+        return self._local_norm()
+
+    def _local_norm(self) -> float:
         norms = [p.grad.detach().norm(2) for p in self.params if p.grad is not None]
         return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 
-    def step(self, norm: float) -> bool:
-        """Clip and step; skip (and clear) on a non-finite norm. True if stepped."""
+    def step(self, norm: float) -> tuple[bool, float]:
+        """Clip and step; skip (and clear) on a non-finite norm. Returns (stepped, norm)."""
         stepped = math.isfinite(norm)
         if stepped:
             scale = min(1.0, self.grad_clip / (norm + 1e-6))
@@ -163,7 +166,7 @@ class TorchEngine:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return stepped
+        return stepped, norm
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -188,8 +191,10 @@ class DeepSpeedEngine(TorchEngine):
 
     def __init__(self, model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> None:
         super().__init__(model, group, config)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
         import deepspeed  # noqa: PLC0415
 
+        _ensure_process_group()
         _, world = _world()
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,
@@ -205,22 +210,43 @@ class DeepSpeedEngine(TorchEngine):
             model=model, optimizer=self.optimizer, lr_scheduler=self.scheduler, config=ds_config
         )
         self.world = world
+        self.zero_stage = config.train.zero_stage
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(boundary)
         self.engine.backward(loss * self.world)
 
     def grad_norm(self) -> float:
-        return float("nan")  # known after the step (DeepSpeed computes it while clipping)
+        """ZeRO-0 leaves the reduced gradients on the parameters: measure them before the
+        step, so that a non-finite norm skips it. ZeRO-1/2 partition them: DeepSpeed
+        reports the norm while it steps (and the skip is DeepSpeed's to make)."""
+        return self._local_norm() if self.zero_stage == 0 else float("nan")
 
-    def step(self, norm: float) -> bool:
+    def step(self, norm: float) -> tuple[bool, float]:
+        if self.zero_stage == 0 and not math.isfinite(norm):
+            self.engine.zero_grad()
+            return False, norm
         self.engine.step()
+        if self.zero_stage == 0:
+            return True, norm
         reported = self.engine.get_global_grad_norm()
-        self.last_norm = float(reported) if reported is not None else float("nan")
-        return True
+        return True, float(reported) if reported is not None else float("nan")
 
     def zero_grad(self) -> None:
         self.engine.zero_grad()
+
+
+def _ensure_process_group() -> None:
+    """DeepSpeed needs a process group even alone: a one-process gloo group on 127.0.0.1."""
+    if dist.is_initialized():
+        return
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed checks that a launcher set it
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def make_engine(model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> TorchEngine:
@@ -372,7 +398,7 @@ def _train(config, group, engine, model, ref_model, rows, pad_id, iteration, ran
     norms, skipped, tokens = [], 0, 0
     agent_norms: dict[str, list[float]] = {}
     want_entropy = True
-    for mini in np.array_split(order, steps):
+    for step_index, mini in enumerate(np.array_split(order, steps)):
         mini_rows = [rows[i] for i in mini]
         mini_tokens = sum(len(r["response_ids"]) for r in mini_rows)
         packs = micro_batches(mini_rows, group.micro_batch_size, train.max_tokens_per_micro_batch)
@@ -389,13 +415,18 @@ def _train(config, group, engine, model, ref_model, rows, pad_id, iteration, ran
             weight = batch.response_mask.sum().item() / max(mini_tokens, 1)
             stats = _micro_step(engine, model, ref_model, batch, mini_tokens, len(mini_rows), config, want_entropy, None, boundary=index == len(mine) - 1)
             for key, value in stats.items():
-                totals[key] += value * weight / steps
-        norm = engine.grad_norm()
-        stepped = engine.step(norm)
-        norm = getattr(engine, "last_norm", norm)
+                if key == "logprob_gap":  # rollout engine vs trainer: only before any step
+                    totals[key] += value * weight if step_index == 0 else 0.0
+                else:
+                    totals[key] += value * weight / steps
+        stepped, norm = engine.step(engine.grad_norm())
         skipped += int(not stepped or not math.isfinite(norm))
         norms.append(norm)
         tokens += mini_tokens
+    if world > 1:  # each rank saw its share of the micro-batches: sum the shares
+        shares = torch.tensor(list(totals.values()), dtype=torch.float64)
+        dist.all_reduce(shares, op=dist.ReduceOp.SUM)
+        totals = dict(zip(totals, shares.tolist(), strict=True))
     prefix = f"wg/{group.name}"
     metrics = {f"{prefix}/{key}": value for key, value in totals.items()}
     metrics |= {
@@ -457,3 +488,45 @@ def _micro_step(engine, model, ref_model, batch: MicroBatch, mini_tokens: int, m
         if "kl" in stats:
             result["kl"] = stats["kl"]
     return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m drmas.update`` (or under ``torchrun``): one worker group's update.
+
+    Under torchrun every rank runs this; ranks share the work and rank 0 writes.
+    """
+    import argparse  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(description="update one worker group")
+    parser.add_argument("--config", required=True, help="resolved config (JSON file)")
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--iteration", type=int, required=True)
+    parser.add_argument("--wg", required=True)
+    parser.add_argument("--policy", required=True, help="policy artifact path in the store")
+    parser.add_argument("--optim", help="optimizer-state artifact path in the store")
+    parser.add_argument("--reference", help="reference policy artifact (for the KL term)")
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    config = DrmasConfig.from_json(Path(args.config).read_text())
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    result = update(
+        config,
+        Store.from_config(config.store),
+        args.run_id,
+        args.iteration,
+        args.wg,
+        PolicyRef(args.policy),
+        PolicyRef(args.optim) if args.optim else None,
+        PolicyRef(args.reference) if args.reference else None,
+        overwrite=args.overwrite,
+    )
+    if _world()[0] == 0:
+        print(json.dumps({"artifact": result.artifact, "metrics": result.metrics}, sort_keys=True))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""The advantage and update stages on a real tiny model, and the optimizer state format."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from drmas.advantage import advantage
+from drmas.algos import compute_advantages
+from drmas.config import load_config
+from drmas.episodes import Call, Episode, episodes_to_table
+from drmas.layout import policy_path, stage_path
+from drmas.models import load_model, load_tokenizer
+from drmas.policies import init_policies
+from drmas.schema import BATCH_SCHEMA
+from drmas.store import Store
+from drmas.tasks import Question
+from drmas.update import TorchEngine, capture_state, collate, load_state, restore_state, save_state, token_logprobs, update
+
+ROOT = Path(__file__).parent.parent
+TINY = [
+    "models.tiny.hidden_size=32",
+    "models.tiny.intermediate_size=64",
+    "models.tiny.num_layers=1",
+    "data.generated_train_size=40",
+    "data.generated_eval_size=10",
+    "workers.sharing=by_model",
+    "train.lr=0.01",
+]
+WG = "solver-verifier"
+
+
+def make_run(tmp_path: Path, *overrides: str):
+    """A run whose iteration 0 has a rollout artifact made of scripted responses, with the
+    rollout log-probs computed by the initial policy itself (so the ratio starts at 1)."""
+    config = load_config(ROOT / "configs" / "math_tiny.yaml", [*TINY, *overrides])
+    store = Store(str(tmp_path / "store"))
+    [policy] = init_policies(config, store, "run").values()
+    local = store.open(policy.artifact).download(tmp_path / "init")
+    tokenizer, model = load_tokenizer(local), load_model(local)
+    episodes = []
+    for q, (question, good) in enumerate([("What is 2 + 2?", "\\boxed{4}"), ("What is 3 + 5?", "\\boxed{8}")]):
+        for sample, (solution, reward) in enumerate([(good, 1.0), ("\\boxed{0}", 0.0)]):
+            episode = Episode(f"u{q}", f"u{q}-s{sample}", sample, Question(f"q{q}", question, ("x",), "test"), reward=reward, success=reward > 0)
+            for agent, text in (("solver", solution), ("verifier", "<verify>approve</verify>")):
+                prompt = tokenizer(f"{question} {agent}", add_special_tokens=False)["input_ids"]
+                response = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                episode.calls.append(Call(agent, WG, 1, prompt, response, [0.0] * len(response), text, True, "stop"))
+            episodes.append(episode)
+    table = episodes_to_table(episodes, "run", 0)
+    rows = table.to_pylist()
+    for row in rows:
+        row["advantage"] = 0.0
+    batch = collate(rows, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(model, batch, want_entropy=False)
+    rollout_logprobs = [logprobs[b][batch.response_mask[b] > 0].tolist() for b in range(len(rows))]
+    table = table.set_column(table.schema.get_field_index("rollout_logprobs"), "rollout_logprobs", pa.array(rollout_logprobs, pa.list_(pa.float32())))
+    with store.writer(stage_path(config.experiment.name, "run", 0, "rollout")) as out:
+        out.write_table("trajectories.parquet", table)
+    return config, store, policy, tokenizer
+
+
+def response_logprob(store: Store, artifact: str, tokenizer, table: pa.Table, tmp: Path) -> np.ndarray:
+    """Summed log-prob of each row's response under the policy stored at ``artifact``."""
+    model = load_model(store.open(artifact).download(tmp))
+    rows = [dict(r, advantage=0.0) for r in table.to_pylist()]
+    batch = collate(rows, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(model, batch, want_entropy=False)
+    return (logprobs * batch.response_mask).sum(-1).numpy()
+
+
+def test_advantage_stage_writes_batch_and_agent_metrics(tmp_path):
+    config, store, _, _ = make_run(tmp_path)
+    result = advantage(config, store, "run", 0)
+    batch = store.open(result.artifact).read_table("batch.parquet", BATCH_SCHEMA)
+    assert batch["group_id"].to_pylist()[:2] == ["u0/solver", "u0/verifier"]
+    expected = compute_advantages(batch["score"].to_numpy(), batch["uid"], batch["traj_uid"], batch["agent"], "drmas")
+    np.testing.assert_array_equal(batch["advantage"].to_numpy(), expected)
+    # Each (prompt, agent) group has one success and one failure: +-0.7071 after the
+    # unbiased std of [1, 0] (0.7071): (1 - 0.5) / 0.7071.
+    assert sorted(set(np.round(batch["advantage"].to_numpy(), 4))) == [-0.7071, 0.7071]
+    metrics = result.metrics
+    assert metrics["agent/solver/calls"] == 4 and metrics["reward/mean"] == 0.5
+    # Both agents see the team's reward distribution exactly: multiplier 1, no mismatch.
+    assert metrics["agent/solver/lemma_multiplier"] == pytest.approx(1.0)
+    assert metrics["agent/verifier/lemma_mean_mismatch"] == pytest.approx(0.0)
+
+
+def test_update_moves_the_policy_along_the_advantage(tmp_path):
+    config, store, policy, tokenizer = make_run(tmp_path, "train.updates_per_iteration=3")
+    advantage(config, store, "run", 0)
+    result = update(config, store, "run", 0, WG, policy, None)
+    table = store.open(stage_path(config.experiment.name, "run", 0, "advantage")).read_table("batch.parquet")
+    before = response_logprob(store, policy.artifact, tokenizer, table, tmp_path / "before")
+    after = response_logprob(store, result.artifact, tokenizer, table, tmp_path / "after")
+    # Solver rows: per prompt, the rewarded answer gains log-probability relative to the
+    # wrong one (verifier rows are identical text in both episodes, so they cancel out).
+    gain = after - before
+    solver = np.array(table["agent"].to_pylist()) == "solver"
+    positive = table["advantage"].to_numpy() > 0
+    assert gain[solver & positive].mean() > gain[solver & ~positive].mean() + 0.5
+    metrics = result.metrics
+    assert metrics[f"wg/{WG}/steps"] == 3 and metrics[f"wg/{WG}/skipped"] == 0
+    assert metrics[f"wg/{WG}/grad_norm"] > 0 and metrics[f"wg/{WG}/logprob_gap"] < 1e-4
+    assert metrics[f"wg/{WG}/tokens"] == sum(len(r) for r in table["response_ids"].to_pylist())
+    # The written policy loads as a Hugging Face model, from safetensors.
+    files = store.open(result.artifact).files
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)
+
+
+def test_micro_batching_does_not_change_the_update(tmp_path):
+    weights = []
+    for name, overrides in {"one": ["train.micro_batch_size=1"], "all": ["train.micro_batch_size=64"], "tokens": ["train.max_tokens_per_micro_batch=40"]}.items():
+        config, store, policy, _ = make_run(tmp_path / name, *overrides)
+        advantage(config, store, "run", 0)
+        result = update(config, store, "run", 0, WG, policy, None)
+        weights.append(load_file(str(store.open(result.artifact).download(tmp_path / name / "w") / "model.safetensors")))
+    for other in weights[1:]:
+        for key, value in weights[0].items():
+            # Adam divides by sqrt(v): parameters with near-zero gradients turn summation-order
+            # noise into visible differences; 1e-4 is 1% of one step at lr 0.01.
+            torch.testing.assert_close(other[key], value, rtol=0, atol=1e-4)
+
+
+def test_non_finite_gradient_skips_the_step(tmp_path):
+    config, store, policy, _ = make_run(tmp_path)
+    result = advantage(config, store, "run", 0)
+    batch = store.open(result.artifact).read_table("batch.parquet")
+    column = batch.schema.get_field_index("advantage")
+    poisoned = batch.set_column(column, "advantage", pa.array([float("nan")] * batch.num_rows, pa.float32()))
+    with store.writer(result.artifact, overwrite=True) as out:
+        out.write_table("batch.parquet", poisoned, BATCH_SCHEMA)
+    updated = update(config, store, "run", 0, WG, policy, None)
+    assert updated.metrics[f"wg/{WG}/skipped"] == 1
+    before = load_file(str(store.open(policy.artifact).download(tmp_path / "b") / "model.safetensors"))
+    after = load_file(str(store.open(updated.artifact).download(tmp_path / "a") / "model.safetensors"))
+    assert all(torch.equal(before[k], after[k]) for k in before)  # no NaN reached the checkpoint
+
+
+def test_per_agent_grad_norms_and_kl_to_the_reference(tmp_path):
+    config, store, policy, _ = make_run(tmp_path, "diagnostics.per_agent_grad_norm=true", "algorithm.kl_coef=0.1")
+    advantage(config, store, "run", 0)
+    with pytest.raises(ValueError, match="needs a reference policy"):
+        update(config, store, "run", 0, WG, policy, None)
+    metrics = update(config, store, "run", 0, WG, policy, None, reference=policy).metrics
+    solver, verifier = metrics["agent/solver/grad_norm"], metrics["agent/verifier/grad_norm"]
+    assert solver > 0 and verifier > 0 and solver != verifier
+    assert metrics[f"wg/{WG}/kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is its reference
+
+
+def test_optimizer_state_round_trips_without_pickle(tmp_path):
+    config, store, policy, _ = make_run(tmp_path, "train.warmup_steps=10")
+    model = load_model(store.open(policy.artifact).download(tmp_path / "m"))
+    group = config.worker_groups()[0]
+    engine = TorchEngine(model, group, config)
+    model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    assert engine.step(engine.grad_norm())[0]
+    save_state(capture_state(model, engine.optimizer, engine.scheduler), tmp_path / "state")
+    fresh_model = load_model(store.open(policy.artifact).download(tmp_path / "m2"))
+    fresh = TorchEngine(fresh_model, group, config)
+    restore_state(load_state(tmp_path / "state"), fresh_model, fresh.optimizer, fresh.scheduler)
+    assert fresh.lr() == engine.lr() == pytest.approx(0.01 * 2 / 10)  # warm-up step 2 of 10
+    for (name, p), (_, q) in zip(model.named_parameters(), fresh_model.named_parameters(), strict=True):
+        assert torch.equal(engine.optimizer.state[p]["exp_avg"], fresh.optimizer.state[q]["exp_avg"]), name
+    # A pickle planted where the state belongs is refused by safetensors, never executed.
+    marker = tmp_path / "pwned"
+    import pickle
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (tmp_path / "state" / "optimizer.safetensors").write_bytes(pickle.dumps(Exploit()))
+    with pytest.raises(Exception, match="(?i)header|safetensor|deserializ"):
+        load_state(tmp_path / "state")
+    assert not marker.exists()
+
+
+def _update_in_subprocess(tmp_path: Path, name: str, launcher: list[str], *overrides: str) -> dict[str, torch.Tensor]:
+    config, store, policy, _ = make_run(tmp_path / name, *overrides)
+    advantage(config, store, "run", 0)
+    config_file = tmp_path / name / "config.json"
+    config_file.write_text(config.model_copy(update={"store": store.settings()}).to_json())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions")}
+    command = [*launcher, "-m", "drmas.update", "--config", str(config_file), "--run-id", "run", "--iteration", "0", "--wg", WG, "--policy", policy.artifact]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["metrics"][f"wg/{WG}/skipped"] == 0
+    return load_file(str(store.open(result["artifact"]).download(tmp_path / name / "out") / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_same_update_as_one(tmp_path):
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    overrides = ["train.micro_batch_size=2", "train.updates_per_iteration=2"]
+    one = _update_in_subprocess(tmp_path, "one", [sys.executable], *overrides)
+    with socket.socket() as probe:  # torchrun hangs with --master_port=0: give it a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    two = _update_in_subprocess(tmp_path, "two", [torchrun, "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}"], *overrides)
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_deepspeed_zero0_matches_plain_torch(tmp_path):
+    overrides = ["train.micro_batch_size=2", "train.updates_per_iteration=2"]
+    plain = _update_in_subprocess(tmp_path, "torch", [sys.executable], *overrides)
+    speed = _update_in_subprocess(tmp_path, "ds", [sys.executable], *overrides, "train.backend=deepspeed", "train.zero_stage=0")
+    for key in plain:
+        torch.testing.assert_close(speed[key], plain[key], rtol=0, atol=1e-4)
