@@ -35,7 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     run_cmd.add_argument("--run-id", help="name of the run (default: experiment.run_id or a timestamp)")
     run_cmd.add_argument("--resume", metavar="RUN_ID", help="continue this run after its last complete iteration")
 
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may also follow options (`--resume ID experiment.iterations=4`).
+    if any("=" not in item or item.startswith("-") for item in extra) or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     try:
         if args.command == "config":
             return _config(args)

@@ -13,6 +13,7 @@ Ray starts locally by default (bound to 127.0.0.1) and joins a cluster when
 from __future__ import annotations
 
 import os
+import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def connect_ray(config: DrmasConfig, temp_dir: Path | None = None) -> bool:
     if config.ray.address:
         ray.init(address=config.ray.address, log_to_driver=False)
         return True
-    temp = Path(temp_dir or Path.home() / ".cache" / "drmas" / "ray").resolve()
+    temp = _ray_temp_dir(temp_dir)
     temp.mkdir(parents=True, exist_ok=True)
     ray.init(
         resources={config.ray.pool_resource: config.ray.pool_size},
@@ -53,6 +54,14 @@ def connect_ray(config: DrmasConfig, temp_dir: Path | None = None) -> bool:
         configure_logging=False,
     )
     return True
+
+
+def _ray_temp_dir(preferred: Path | None) -> Path:
+    """Ray's session folder holds Unix sockets, whose paths may not exceed 107 bytes: use
+    the preferred folder when it is short enough, else a short one under the system temp."""
+    if preferred is not None and len(str(Path(preferred).resolve())) <= 40:
+        return Path(preferred).resolve()
+    return Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / f"drmas-ray-{os.getuid()}"
 
 
 class RayPool:

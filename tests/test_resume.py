@@ -1,0 +1,77 @@
+"""Exact resume: a run killed after its second iteration and resumed ends with the same
+weights, bit for bit, as a run that was never interrupted (CPU, same machine)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).parent.parent
+SMALL = [
+    "experiment.iterations=3",
+    "rollout.prompts_per_iteration=3",
+    "rollout.group_size=2",
+    "rollout.sampling.max_new_tokens=10",
+    "data.generated_train_size=40",
+    "data.generated_eval_size=10",
+    "models.tiny.hidden_size=32",
+    "models.tiny.intermediate_size=64",
+    "models.tiny.num_layers=1",
+    "ray.max_resident=2",
+    "train.lr=0.001",
+]
+
+
+def drmas_run(tmp_path: Path, *args: str, wait: bool = True):
+    command = [str(Path(sys.executable).parent / "drmas"), "run", str(ROOT / "configs" / "math_tiny.yaml"), *SMALL, f"store.root={tmp_path / 'runs'}", *args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if not wait:
+        # Its own process group: the kill takes the driver and the Ray it started, nothing else.
+        return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+def weights(tmp_path: Path, run: str) -> dict[str, bytes]:
+    folder = tmp_path / "runs" / "math-tiny" / run / "iter-000002" / "policy"
+    return {wg: (folder / wg / "model.safetensors").read_bytes() for wg in ("solver", "verifier")}
+
+
+def test_kill_and_resume_equals_uninterrupted(tmp_path):
+    full = drmas_run(tmp_path, "--run-id", "full")
+    assert full.returncode == 0, full.stdout + full.stderr
+    assert "iter 2:" in full.stdout
+
+    killed = drmas_run(tmp_path, "--run-id", "cut", wait=False)
+    marker = tmp_path / "runs" / "math-tiny" / "cut" / "iter-000001" / "checkpoint" / "_MANIFEST.json"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and killed.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), killed.communicate()[0]
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait(timeout=60)
+    assert not (tmp_path / "runs" / "math-tiny" / "cut" / "iter-000002" / "checkpoint" / "_MANIFEST.json").exists()
+
+    resumed = drmas_run(tmp_path, "--resume", "cut")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "iter 0:" not in resumed.stdout and "iter 2:" in resumed.stdout
+    assert weights(tmp_path, "cut") == weights(tmp_path, "full")
+
+    again = drmas_run(tmp_path, "--resume", "cut")
+    assert again.returncode == 0 and "nothing left to do" in again.stdout
+
+    # A damaged last checkpoint: say which file and stop, non-zero; never run zero steps.
+    optimizer = tmp_path / "runs" / "math-tiny" / "cut" / "iter-000002" / "optim" / "solver" / "optimizer.safetensors"
+    optimizer.write_bytes(optimizer.read_bytes()[:100])
+    broken = drmas_run(tmp_path, "--resume", "cut", "experiment.iterations=4")
+    assert broken.returncode == 1
+    assert "optim/solver/optimizer.safetensors" in broken.stderr and "manifest" in broken.stderr
+
+    changed = drmas_run(tmp_path, "--resume", "full", "train.lr=0.5")
+    assert changed.returncode == 1 and "train.lr: the run was started with 0.001, now 0.5" in changed.stderr
