@@ -171,6 +171,12 @@ class TorchEngine:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def export_state(self) -> TrainState:
+        return capture_state(self.model, self.optimizer, self.scheduler)
+
+    def import_state(self, state: TrainState) -> None:
+        restore_state(state, self.model, self.optimizer, self.scheduler)
+
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
@@ -235,6 +241,48 @@ class DeepSpeedEngine(TorchEngine):
     def zero_grad(self) -> None:
         self.engine.zero_grad()
 
+    def export_state(self) -> TrainState:
+        """ZeRO-1/2 keep Adam's moments in flat partitions: gather them per parameter, so
+        the saved state has one layout whatever the stage and the number of ranks."""
+        if self.zero_stage == 0:
+            return super().export_state()
+        from deepspeed.utils import safe_get_full_optimizer_state  # noqa: PLC0415
+
+        tensors: dict[str, torch.Tensor] = {"rng/torch": torch.get_rng_state()}
+        for name, param in self.model.named_parameters():
+            for key in ("exp_avg", "exp_avg_sq"):
+                tensors[f"optim/{name}/{key}"] = safe_get_full_optimizer_state(param, key).detach().cpu().contiguous()
+        step = self._base_step()
+        meta = {"scheduler": _scheduler_state(self.scheduler), "steps": {name: step for name, _ in self.model.named_parameters()}}
+        return TrainState(tensors, meta)
+
+    def import_state(self, state: TrainState) -> None:
+        if self.zero_stage == 0:
+            super().import_state(state)
+            return
+        from deepspeed.utils import safe_set_full_optimizer_state  # noqa: PLC0415
+
+        # AdamW creates its moments at the first step and DeepSpeed links per-parameter
+        # views of them only then: create them as AdamW would (zeros) and link them with
+        # DeepSpeed's own lazy hook (0.19), so that a resumed run can set them.
+        base = self.engine.optimizer.optimizer
+        for group in base.param_groups:
+            for flat in group["params"]:
+                base.state[flat] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+        self.engine.optimizer._lazy_init_hp_params_optimizer_state()
+        for name, param in self.model.named_parameters():
+            for key in ("exp_avg", "exp_avg_sq"):
+                safe_set_full_optimizer_state(param, state.tensors[f"optim/{name}/{key}"].clone(), key)
+        step = next(iter(state.meta["steps"].values()), 0.0)
+        for slot in self.engine.optimizer.optimizer.state.values():
+            slot["step"] = torch.tensor(step)
+        _restore_scheduler(self.scheduler, self.engine.optimizer, state.meta)
+        torch.set_rng_state(state.tensors["rng/torch"])
+
+    def _base_step(self) -> float:
+        slots = list(self.engine.optimizer.optimizer.state.values())
+        return float(slots[0]["step"]) if slots and "step" in slots[0] else 0.0
+
 
 def _ensure_process_group() -> None:
     """DeepSpeed needs a process group even alone: a one-process gloo group on 127.0.0.1."""
@@ -280,9 +328,20 @@ def capture_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sche
                     tensors[f"optim/{names[id(param)]}/{key}"] = value.detach().cpu().contiguous()
                 elif key == "step":
                     steps[names[id(param)]] = float(value)
-    meta = {"scheduler": scheduler.state_dict() if scheduler is not None else {}, "steps": steps}
-    meta["scheduler"] = {k: v for k, v in meta["scheduler"].items() if k != "lr_lambdas"}
-    return TrainState(tensors, meta)
+    return TrainState(tensors, {"scheduler": _scheduler_state(scheduler), "steps": steps})
+
+
+def _scheduler_state(scheduler: Any) -> dict[str, Any]:
+    """The scheduler's counters; its lambdas are code, rebuilt from the config."""
+    state = scheduler.state_dict() if scheduler is not None else {}
+    return {key: value for key, value in state.items() if key != "lr_lambdas"}
+
+
+def _restore_scheduler(scheduler: Any, optimizer: Any, meta: dict[str, Any]) -> None:
+    if scheduler is not None and meta.get("scheduler"):
+        scheduler.load_state_dict({**scheduler.state_dict(), **meta["scheduler"]})
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
 
 
 def restore_state(state: TrainState, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
@@ -297,10 +356,7 @@ def restore_state(state: TrainState, model: torch.nn.Module, optimizer: torch.op
             if saved is None or saved.shape != param.shape:
                 raise ValueError(f"optimizer state for {name}.{key} is missing or has another shape")
             slot[key] = saved.clone()
-    if scheduler is not None and state.meta.get("scheduler"):
-        scheduler.load_state_dict({**scheduler.state_dict(), **state.meta["scheduler"]})
-        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
-            group["lr"] = lr
+    _restore_scheduler(scheduler, optimizer, state.meta)
     torch.set_rng_state(state.tensors["rng/torch"])
 
 
@@ -349,7 +405,7 @@ def update(
         engine = make_engine(model, group, config)
         if optim is not None:
             state_dir = store.open(optim.artifact).download(Path(scratch) / "optim", prefix=optim.prefix)
-            restore_state(load_state(state_dir), model, engine.optimizer, engine.scheduler)
+            engine.import_state(load_state(state_dir))
         ref_model = _reference(config, store, reference, Path(scratch), dtype)
         metrics = _train(config, group, engine, model, ref_model, rows, tokenizer.pad_token_id, iteration, rank, world)
         metrics[f"wg/{wg}/time"] = time.perf_counter() - started
@@ -359,7 +415,7 @@ def update(
             saved = Path(scratch) / "out"
             model.save_pretrained(saved / "policy", safe_serialization=True)
             tokenizer.save_pretrained(saved / "policy")
-            save_state(capture_state(model, engine.optimizer, engine.scheduler), saved / "optim")
+            save_state(engine.export_state(), saved / "optim")
             meta = {"stage": "update", "iteration": iteration, "wg": wg}
             with store.writer(optim_path(experiment, run_id, iteration, wg), overwrite=overwrite, meta=meta) as out:
                 out.put_dir(saved / "optim", "")

@@ -1,0 +1,110 @@
+"""Update throughput of a ~20M-parameter worker group, against the CPU's matmul peak.
+
+    .venv/bin/python bench/update_throughput.py [--rows 64] [--steps 2]
+
+In one process: the peak is measured with a large torch matmul (fp32 and bf16); then the
+same optimizer steps (same rows, same micro-batches) run through the plain torch engine in
+fp32 and bf16 and through DeepSpeed ZeRO-0/1/2 (fp32). Prints training tokens/s (prompt +
+response tokens through forward and backward), the fraction of the matmul peak reached
+(6 x params FLOPs per token), and each backend's speed as a ratio to plain torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+
+from drmas.config import load_config  # noqa: E402
+from drmas.models import build_scratch_policy, load_model  # noqa: E402
+from drmas.update import _train, make_engine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_20M = [
+    "models.tiny.hidden_size=512",
+    "models.tiny.intermediate_size=1536",
+    "models.tiny.num_layers=6",
+    "models.tiny.num_heads=8",
+    "models.tiny.num_kv_heads=4",
+    "workers.sharing=by_model",
+    "train.micro_batch_size=16",
+]
+
+
+def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a large square matmul: the practical peak of this CPU for ``dtype``."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a @ b
+    started = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * size**3 * repeats / (time.perf_counter() - started)
+
+
+def synthetic_rows(count: int, vocab: int, prompt: int = 48, response: int = 48) -> list[dict]:
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for index in range(count):
+        rows.append(
+            {
+                "agent": "solver" if index % 2 else "verifier",
+                "prompt_ids": torch.randint(3, vocab, (prompt,), generator=generator).tolist(),
+                "response_ids": torch.randint(3, vocab, (response,), generator=generator).tolist(),
+                "rollout_logprobs": [-5.0] * response,
+                "advantage": float(torch.randn((), generator=generator)),
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    peaks = {"float32": matmul_peak(torch.float32), "bfloat16": matmul_peak(torch.bfloat16)}
+    print(f"matmul peak: fp32 {peaks['float32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.1f} GFLOP/s ({args.threads} threads)")
+    cases = [
+        ("torch fp32", ["train.backend=torch"], "float32"),
+        ("torch bf16", ["train.backend=torch", "models.tiny.dtype=bfloat16"], "bfloat16"),
+        ("deepspeed zero0", ["train.backend=deepspeed", "train.zero_stage=0"], "float32"),
+        ("deepspeed zero1", ["train.backend=deepspeed", "train.zero_stage=1"], "float32"),
+        ("deepspeed zero2", ["train.backend=deepspeed", "train.zero_stage=2"], "float32"),
+    ]
+    results = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for label, overrides, dtype in cases:
+            config = load_config(ROOT / "configs" / "math_tiny.yaml", [*MODEL_20M, *overrides, f"train.updates_per_iteration={args.steps}"])
+            group = config.worker_groups()[0]
+            folder = Path(scratch) / dtype
+            if not folder.exists():
+                texts = [f"What is {a} + {b}? \\boxed{{{a + b}}}" for a in range(60) for b in range(60)]
+                build_scratch_policy(group.spec, texts, folder, seed=0)
+            model = load_model(folder, dtype)
+            model.train()
+            rows = synthetic_rows(args.rows, model.config.vocab_size)
+            engine = make_engine(model, group, config)
+            params = sum(p.numel() for p in model.parameters())
+            tokens = sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)
+            _train(config, group, engine, model, None, rows[:8], 0, 0, 0, 1)  # warm-up
+            started = time.perf_counter()
+            _train(config, group, engine, model, None, rows, 0, 1, 0, 1)
+            seconds = time.perf_counter() - started
+            rate = tokens / seconds
+            results[label] = rate
+            mfu = rate * 6 * params / peaks[dtype]
+            print(f"{label:16} {params / 1e6:5.1f}M params {rate:8.0f} train tok/s  {100 * mfu:5.1f}% of the {dtype} matmul peak")
+    base = results["torch fp32"]
+    print("ratios to torch fp32: " + ", ".join(f"{label} {rate / base:.2f}x" for label, rate in results.items()))
+
+
+if __name__ == "__main__":
+    main()
