@@ -8,6 +8,10 @@ DEPS_KEY := $(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.installed-$(DEPS_KEY)
 PIP := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
 PYTEST_ARGS ?=
+# DeepSpeed compiles a small op on first use: keep it in the project's cache.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
+export HF_HUB_OFFLINE := 1
+export MLFLOW_DISABLE_TELEMETRY := true
 
 .PHONY: venv run test clean-venv
 

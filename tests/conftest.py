@@ -6,6 +6,7 @@ credentials are random, so tests can also check that they never leak into messag
 
 from __future__ import annotations
 
+import os
 import secrets
 import uuid
 
@@ -15,6 +16,7 @@ from drmas.locals3 import LocalS3Server
 from drmas.store import Store
 
 S3_BUCKET = "drmas-test"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download from the hub
 
 
 @pytest.fixture(scope="session")
