@@ -233,3 +233,55 @@ def test_draw_questions_cycles_epochs_without_repeats():
     assert sorted(first_epoch) == sorted(q.qid for q in pool)
     assert draw_questions(pool, 5, 3, seed=1) == draw_questions(pool, 5, 3, seed=1)
     assert [q.qid for q in draw_questions(pool, 5, 0, seed=1)] != [q.qid for q in draw_questions(pool, 5, 0, seed=2)]
+
+
+USER_ORCHESTRA = '''
+from drmas.agents import Parsed
+
+
+class Planner:
+    def prompt(self, episode, step):
+        return f"Plan for: {episode.question.question}"
+
+    def parse(self, response):
+        return Parsed(text=response.strip(), is_valid=response.startswith("PLAN"))
+
+
+class Coder:
+    def prompt(self, episode, step):
+        return "Follow: " + " | ".join(episode.team_context)
+
+    def parse(self, response):
+        return Parsed(text=response.strip(), is_valid=True)
+
+
+class PlanThenCode:
+    agents = {"planner": Planner, "coder": Coder}
+
+    def __init__(self, task, tools):
+        self.agent_objects = {name: cls() for name, cls in self.agents.items()}
+
+    def run(self, episodes, team):
+        for episode, plan in zip(episodes, team.call("planner", episodes, step=1)):
+            episode.team_context.append(f"Planner: {plan.text}")
+        for episode, code in zip(episodes, team.call("coder", episodes, step=1)):
+            episode.final_answer, episode.done = code.text, True
+
+    def reward(self, episode):
+        return float(episode.final_answer in episode.question.answers)
+'''
+
+
+def test_a_user_orchestra_named_by_import_path_runs(tmp_path, monkeypatch):
+    (tmp_path / "my_team.py").write_text(USER_ORCHESTRA)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = load_config(
+        CONFIGS / "math_tiny.yaml",
+        ["task.orchestra=my_team:PlanThenCode", "agents=[{name: planner, model: tiny}, {name: coder, model: tiny}]"],
+    )
+    pool = ScriptedPool(lambda wg, prompt: "PLAN add" if wg == "planner" else ("7" if "PLAN add" in prompt else "?"))
+    orchestra, team = build_team(config, Tools(), pool, seed=0)
+    episodes = play(orchestra, team, questions("3 + 4", "5 + 2"), group_size=2, prefix="t")
+    assert [agents_of(e) for e in episodes] == [["planner", "coder"]] * 4
+    assert all(e.reward == 1.0 for e in episodes)
+    assert pool.calls == [("planner", 4), ("coder", 4)]

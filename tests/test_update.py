@@ -257,3 +257,22 @@ def test_deepspeed_zero_stages_save_and_resume_alike(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     gap = float(done.stdout.split("GAP")[-1])
     assert gap < 1e-5
+
+
+def test_recomputed_old_logprobs_replace_the_engines(tmp_path):
+    """With rollout log-probs that are off by 0.5 nats, the ratio starts at exp(0.5) unless
+    the trainer recomputes the old policy; recomputed, the first step is unclipped."""
+    config, store, policy, _ = make_run(tmp_path, "algorithm.advantage=grpo")
+    path = stage_path(config.experiment.name, "run", 0, "rollout")
+    table = store.open(path).read_table("trajectories.parquet")
+    shifted = [[v - 0.5 for v in row] for row in table["rollout_logprobs"].to_pylist()]
+    table = table.set_column(table.schema.get_field_index("rollout_logprobs"), "rollout_logprobs", pa.array(shifted, pa.list_(pa.float32())))
+    with store.writer(path, overwrite=True) as out:
+        out.write_table("trajectories.parquet", table)
+    advantage(config, store, "run", 0)
+    trusted = update(config, store, "run", 0, WG, policy, None).metrics
+    config = config.model_copy(update={"train": config.train.model_copy(update={"recompute_old_logprobs": True})})
+    recomputed = update(config, store, "run", 0, WG, policy, None, overwrite=True).metrics
+    assert trusted[f"wg/{WG}/logprob_gap"] == pytest.approx(0.5, abs=1e-3)  # measured either way
+    assert recomputed[f"wg/{WG}/logprob_gap"] == pytest.approx(0.5, abs=1e-3)
+    assert trusted[f"wg/{WG}/clipfrac"] > 0.4 and recomputed[f"wg/{WG}/clipfrac"] == 0.0

@@ -145,7 +145,9 @@ class ModelSpec(Section):
     """Parameter dtype for training and rollout."""
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> ModelSpec:
+    def _buildable(self) -> ModelSpec:
+        if _looks_local(self.source) and not Path(self.source).expanduser().is_dir():
+            raise ValueError(f"source {self.source!r} looks like a local folder but does not exist")
         if self.source == "scratch":
             if self.hidden_size % self.num_heads:
                 raise ValueError(

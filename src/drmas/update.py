@@ -62,6 +62,7 @@ class MicroBatch:
     attention_mask: torch.Tensor  # [B, L]
     response_mask: torch.Tensor  # [B, L-1]: 1 where the next token is a response token
     old_logprobs: torch.Tensor  # [B, L-1], zero outside the response
+    rollout_logprobs: torch.Tensor  # [B, L-1], the engine's (equal to old unless recomputed)
     advantages: torch.Tensor  # [B]
     agents: list[str]
 
@@ -92,6 +93,7 @@ def collate(rows: list[dict[str, Any]], pad_id: int) -> MicroBatch:
     attention = torch.zeros((len(rows), width), dtype=torch.long)
     response = torch.zeros((len(rows), width - 1))
     old = torch.zeros((len(rows), width - 1))
+    engine = torch.zeros((len(rows), width - 1))
     for b, row in enumerate(rows):
         prompt, answer = row["prompt_ids"], row["response_ids"]
         ids[b, : lengths[b]] = torch.tensor(prompt + answer, dtype=torch.long)
@@ -99,12 +101,14 @@ def collate(rows: list[dict[str, Any]], pad_id: int) -> MicroBatch:
         # Token t+1 is predicted at position t: response token j sits at P+j, predicted at P+j-1.
         start, end = len(prompt) - 1, len(prompt) - 1 + len(answer)
         response[b, start:end] = 1.0
-        old[b, start:end] = torch.tensor(row["rollout_logprobs"], dtype=torch.float32)
+        engine[b, start:end] = torch.tensor(row["rollout_logprobs"], dtype=torch.float32)
+        old[b, start:end] = torch.tensor(row.get("old_logprobs", row["rollout_logprobs"]), dtype=torch.float32)
     return MicroBatch(
         input_ids=ids,
         attention_mask=attention,
         response_mask=response,
         old_logprobs=old,
+        rollout_logprobs=engine,
         advantages=torch.tensor([r["advantage"] for r in rows], dtype=torch.float32),
         agents=[r["agent"] for r in rows],
     )
@@ -454,6 +458,8 @@ def _train(config, group, engine, model, ref_model, rows, pad_id, iteration, ran
     norms, skipped, tokens = [], 0, 0
     agent_norms: dict[str, list[float]] = {}
     want_entropy = True
+    if train.recompute_old_logprobs:
+        _recompute_old_logprobs(model, rows, pad_id, group.micro_batch_size, train.max_tokens_per_micro_batch)
     for step_index, mini in enumerate(np.array_split(order, steps)):
         mini_rows = [rows[i] for i in mini]
         mini_tokens = sum(len(r["response_ids"]) for r in mini_rows)
@@ -501,6 +507,17 @@ def _train(config, group, engine, model, ref_model, rows, pad_id, iteration, ran
     return metrics
 
 
+def _recompute_old_logprobs(model, rows, pad_id, max_rows, max_tokens) -> None:
+    """The old policy's log-probs by the trainer itself, before any step (one no-grad pass),
+    instead of the rollout engine's: removes engine/trainer numerical mismatch."""
+    with torch.no_grad():
+        for pack in micro_batches(rows, max_rows, max_tokens):
+            batch = collate([rows[i] for i in pack], pad_id)
+            logprobs, _ = token_logprobs(model, batch, want_entropy=False)
+            for b, index in enumerate(pack):
+                rows[index]["old_logprobs"] = logprobs[b][batch.response_mask[b] > 0].tolist()
+
+
 def _micro_step(engine, model, ref_model, batch: MicroBatch, mini_tokens: int, mini_rows: int, config: DrmasConfig, want_entropy: bool, only_agent: str | None, boundary: bool) -> dict[str, float]:
     """Forward, loss (normalised to the whole mini-batch), backward; returns its metrics."""
     algorithm = config.algorithm
@@ -509,14 +526,13 @@ def _micro_step(engine, model, ref_model, batch: MicroBatch, mini_tokens: int, m
         keep = torch.tensor([agent == only_agent for agent in batch.agents], dtype=mask.dtype)
         mask = mask * keep.unsqueeze(-1)
     logprobs, entropy = token_logprobs(model, batch, want_entropy or algorithm.entropy_coef > 0)
-    old = logprobs.detach() if config.train.recompute_old_logprobs else batch.old_logprobs
     ref = None
     if ref_model is not None:
         with torch.no_grad():
             ref, _ = token_logprobs(ref_model, batch, want_entropy=False)
     loss, stats = policy_loss(
         logprobs,
-        old,
+        batch.old_logprobs,
         batch.advantages,
         mask,
         clip_ratio_low=algorithm.clip_ratio_low,
@@ -537,7 +553,7 @@ def _micro_step(engine, model, ref_model, batch: MicroBatch, mini_tokens: int, m
             "loss": loss.item() * mini_tokens / max(mask.sum().item(), 1),
             "clipfrac": stats["clipfrac"],
             "approx_kl": stats["approx_kl"],
-            "logprob_gap": aggregate_loss((logprobs.detach() - batch.old_logprobs).abs(), mask).item(),
+            "logprob_gap": aggregate_loss((logprobs.detach() - batch.rollout_logprobs).abs(), mask).item(),
         }
         if entropy is not None:
             result["entropy"] = aggregate_loss(entropy.detach(), mask).item()
