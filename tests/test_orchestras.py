@@ -285,3 +285,17 @@ def test_a_user_orchestra_named_by_import_path_runs(tmp_path, monkeypatch):
     assert [agents_of(e) for e in episodes] == [["planner", "coder"]] * 4
     assert all(e.reward == 1.0 for e in episodes)
     assert pool.calls == [("planner", 4), ("coder", 4)]
+
+
+def test_avg_and_pass_at_k_by_hand():
+    from drmas.evaluate import success_at_k
+
+    # q0 (source a): successes [1, 0] -> avg 0.5, pass 1; q1 (source b): [0, 0] -> 0, 0.
+    episodes = []
+    for qid, source, wins in (("q0", "a", [True, False]), ("q1", "b", [False, False])):
+        for j, win in enumerate(wins):
+            episodes.append(Episode(qid, f"{qid}-{j}", j, Question(qid, "?", ("x",), source), success=win))
+    metrics = success_at_k(episodes, 2)
+    assert metrics["eval/avg_at_2"] == 0.25 and metrics["eval/pass_at_2"] == 0.5
+    assert metrics["eval/a/avg_at_2"] == 0.5 and metrics["eval/b/pass_at_2"] == 0.0
+    assert metrics["eval/questions"] == 2

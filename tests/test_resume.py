@@ -44,11 +44,12 @@ def weights(tmp_path: Path, run: str) -> dict[str, bytes]:
 
 
 def test_kill_and_resume_equals_uninterrupted(tmp_path):
-    full = drmas_run(tmp_path, "--run-id", "full")
+    full = drmas_run(tmp_path, "--run-id", "full", "eval.every=2", "eval.max_questions=3", "eval.k=2")
     assert full.returncode == 0, full.stdout + full.stderr
-    assert "iter 2:" in full.stdout
+    assert "iter 2:" in full.stdout and "before training: eval avg@2" in full.stdout
+    assert_tracked(tmp_path, "full")
 
-    killed = drmas_run(tmp_path, "--run-id", "cut", wait=False)
+    killed = drmas_run(tmp_path, "--run-id", "cut", "eval.every=2", "eval.max_questions=3", "eval.k=2", wait=False)
     marker = tmp_path / "runs" / "math-tiny" / "cut" / "iter-000001" / "checkpoint" / "_MANIFEST.json"
     deadline = time.monotonic() + 300
     while not marker.exists() and killed.poll() is None and time.monotonic() < deadline:
@@ -58,20 +59,33 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
     killed.wait(timeout=60)
     assert not (tmp_path / "runs" / "math-tiny" / "cut" / "iter-000002" / "checkpoint" / "_MANIFEST.json").exists()
 
-    resumed = drmas_run(tmp_path, "--resume", "cut")
+    resumed = drmas_run(tmp_path, "--resume", "cut", "eval.every=2", "eval.max_questions=3", "eval.k=2")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "iter 0:" not in resumed.stdout and "iter 2:" in resumed.stdout
     assert weights(tmp_path, "cut") == weights(tmp_path, "full")
 
-    again = drmas_run(tmp_path, "--resume", "cut")
+    again = drmas_run(tmp_path, "--resume", "cut", "eval.every=2", "eval.max_questions=3", "eval.k=2")
     assert again.returncode == 0 and "nothing left to do" in again.stdout
 
     # A damaged last checkpoint: say which file and stop, non-zero; never run zero steps.
     optimizer = tmp_path / "runs" / "math-tiny" / "cut" / "iter-000002" / "optim" / "solver" / "optimizer.safetensors"
     optimizer.write_bytes(optimizer.read_bytes()[:100])
-    broken = drmas_run(tmp_path, "--resume", "cut", "experiment.iterations=4")
+    broken = drmas_run(tmp_path, "--resume", "cut", "eval.every=2", "eval.max_questions=3", "eval.k=2", "experiment.iterations=4")
     assert broken.returncode == 1
     assert "optim/solver/optimizer.safetensors" in broken.stderr and "manifest" in broken.stderr
 
-    changed = drmas_run(tmp_path, "--resume", "full", "train.lr=0.5")
+    changed = drmas_run(tmp_path, "--resume", "full", "eval.every=2", "eval.max_questions=3", "eval.k=2", "train.lr=0.5")
     assert changed.returncode == 1 and "train.lr: the run was started with 0.001, now 0.5" in changed.stderr
+
+
+def assert_tracked(tmp_path: Path, run: str) -> None:
+    """MLflow (sqlite in the working folder) holds params, per-iteration metrics, lineage."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    [found] = client.search_runs([client.get_experiment_by_name("math-tiny").experiment_id], f"tags.`drmas.run_id` = '{run}'")
+    assert found.data.params["algorithm.advantage"] == "drmas"
+    assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == [1, 2, 3]
+    assert [m.step for m in client.get_metric_history(found.info.run_id, "eval/avg_at_2")] == [0, 2, 3]
+    assert found.data.tags["lineage.checkpoint"].endswith(f"math-tiny/{run}/iter-000002/checkpoint")
+    assert found.info.status == "FINISHED"

@@ -75,7 +75,7 @@ def _run(args: argparse.Namespace) -> int:
         store = Store.from_config(config.store)
         config = open_run(config, store, run_id, resume=args.resume is not None)
         print(f"run {run_id}: {config.experiment.iterations} iterations, store {store.uri(config.experiment.name)}/{run_id}")
-        summary = train(config, store, run_id, cache_dir=Path(".cache") / "drmas")
+        summary = train(config, store, run_id, cache_dir=Path(".cache") / "drmas", config_path=args.config)
     except (StoreError, ValueError) as error:
         print(f"drmas run: cannot continue run {run_id}: {error}", file=sys.stderr)
         return 1

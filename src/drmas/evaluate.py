@@ -1,0 +1,84 @@
+"""The evaluate stage: the team on the eval split, k episodes per question.
+
+    evaluate(config, store, path, policies, pool) -> StageResult
+
+Reports avg@k (mean success over the k episodes of a question, averaged over questions)
+and pass@k (any success among the k), overall and per data source, with per-agent call
+counts and validity rates; writes one row per episode to ``eval.parquet``. Metric names
+use ``_at_`` (``eval/avg_at_4``) because MLflow does not accept '@' in a metric name.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pyarrow as pa
+
+from drmas.config import DrmasConfig
+from drmas.episodes import Episode
+from drmas.layout import StageResult
+from drmas.rollout import GeneratePool, build_team, play, task_questions, task_tools
+from drmas.store import Store
+from drmas.workers import PolicyRef
+
+__all__ = ["evaluate", "success_at_k"]
+
+
+def success_at_k(episodes: list[Episode], k: int) -> dict[str, float]:
+    """avg@k and pass@k over questions (``uid``), overall and per data source."""
+    by_question: dict[str, list[Episode]] = {}
+    for episode in episodes:
+        by_question.setdefault(episode.uid, []).append(episode)
+    metrics: dict[str, float] = {}
+    sources = sorted({group[0].question.data_source for group in by_question.values()})
+    for source in [None, *sources]:
+        groups = [g for g in by_question.values() if source is None or g[0].question.data_source == source]
+        prefix = "eval" if source is None else f"eval/{source}"
+        metrics[f"{prefix}/avg_at_{k}"] = float(np.mean([np.mean([e.success for e in g]) for g in groups]))
+        metrics[f"{prefix}/pass_at_{k}"] = float(np.mean([any(e.success for e in g) for g in groups]))
+        metrics[f"{prefix}/questions"] = float(len(groups))
+    return metrics
+
+
+def evaluate(
+    config: DrmasConfig,
+    store: Store,
+    path: str,
+    policies: dict[str, PolicyRef],
+    pool: GeneratePool,
+    overwrite: bool = False,
+) -> StageResult:
+    """Evaluate ``policies`` on the eval split; write ``{path}/eval.parquet`` and metrics."""
+    started = time.perf_counter()
+    k = config.eval.k
+    questions = task_questions(config, "eval")[: config.eval.max_questions]
+    pool.load(policies)
+    orchestra, team = build_team(config, task_tools(config, store), pool, seed=config.experiment.seed + 7919)
+    team.sampling = {agent.name: config.eval.sampling for agent in config.agents}
+    episodes = play(orchestra, team, questions, k, prefix="eval")
+    metrics = success_at_k(episodes, k)
+    calls = [call for episode in episodes for call in episode.calls]
+    for agent in team.agents:
+        mine = [call for call in calls if call.agent == agent]
+        metrics[f"eval/agent/{agent}/calls_per_episode"] = len(mine) / len(episodes)
+        if mine:
+            metrics[f"eval/agent/{agent}/valid_rate"] = float(np.mean([c.is_valid for c in mine]))
+    metrics["time/evaluate"] = time.perf_counter() - started
+    table = pa.table(
+        {
+            "uid": [e.uid for e in episodes],
+            "traj_uid": [e.traj_uid for e in episodes],
+            "data_source": [e.question.data_source for e in episodes],
+            "question": [e.question.question for e in episodes],
+            "answers": [list(e.question.answers) for e in episodes],
+            "final_answer": [e.final_answer or "" for e in episodes],
+            "reward": pa.array([e.reward for e in episodes], pa.float32()),
+            "success": [e.success for e in episodes],
+            "calls": pa.array([len(e.calls) for e in episodes], pa.int32()),
+        }
+    )
+    with store.writer(path, overwrite=overwrite, meta={"stage": "evaluate", "k": k}) as out:
+        out.write_table("eval.parquet", table)
+        out.write_json("metrics.json", metrics)
+    return StageResult(path, metrics)
