@@ -271,6 +271,21 @@ class TrainConfig(Section):
     rollout engine's (costs one forward pass; removes engine/trainer mismatch)."""
 
 
+class WarmstartConfig(Section):
+    steps: int = Field(0, ge=0)
+    """Supervised fine-tuning steps per worker group on generated demonstrations of its
+    agents' roles, before RL (0: no warm start). Needed for models built from scratch."""
+    batch_size: int = Field(64, ge=1)
+    """Demonstrations per step."""
+    lr: float = Field(2e-3, gt=0.0)
+    """Peak learning rate (cosine decay to 0 over the steps)."""
+    wrong_fraction: float = Field(0.3, ge=0.0, le=1.0)
+    """Share of the Solver's demonstrated answers that are wrong (so the team starts below
+    perfect)."""
+    verdict_noise: float = Field(0.1, ge=0.0, le=1.0)
+    """Share of the Verifier's demonstrated verdicts that are wrong."""
+
+
 class DiagnosticsConfig(Section):
     per_agent_grad_norm: bool = False
     """Also measure the gradient norm of each agent's share of the loss, separately, even
@@ -352,6 +367,8 @@ class DrmasConfig(Section):
     """Group size, batch and sampling of the rollout."""
     train: TrainConfig = Field(default_factory=TrainConfig)
     """The per-worker-group update."""
+    warmstart: WarmstartConfig = Field(default_factory=WarmstartConfig)
+    """Supervised warm start before RL."""
     diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
     """Extra measurements."""
     eval: EvalConfig = Field(default_factory=EvalConfig)

@@ -22,6 +22,7 @@ from drmas.policies import init_policies
 from drmas.rollout import rollout
 from drmas.store import Store
 from drmas.update import update
+from drmas.warmstart import warmstart
 from drmas.workers import PolicyRef
 
 __all__ = ["RunSummary", "open_run", "train"]
@@ -87,8 +88,12 @@ def train(config: DrmasConfig, store: Store, run_id: str, cache_dir: Path | None
         return RunSummary(run_id, 0, start.next_iteration - 1, {})
     tracker = Tracker(config, run_id, store.root, config_path)
     log.info("tracking: %s", tracker.url)
-    reference = init_policies(config, store, run_id)
-    policies, optims = start.policies, start.optims
+    initial = init_policies(config, store, run_id)
+    if config.warmstart.steps:
+        initial = warmstart(config, store, run_id, initial)
+    reference = initial  # the KL anchor, and what "before training" evaluates
+    policies = initial if start.next_iteration == 0 else start.policies
+    optims = start.optims
     groups = [group.name for group in config.worker_groups()]
     started_ray = connect_ray(config, cache_dir / "ray" if cache_dir else None)
     metrics: dict[str, float] = {}

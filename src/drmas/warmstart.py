@@ -1,0 +1,150 @@
+"""The warm-start stage: supervised fine-tuning on generated demonstrations of each role.
+
+    warmstart(config, store, run_id) -> {wg: PolicyRef}
+
+A model initialised at random rewards nothing, so RL has nothing to reinforce. The warm
+start teaches each worker group its agents' roles from demonstrations (the Solver writes
+its working digit by digit and boxes the answer; the Verifier approves or rejects) that
+are deliberately imperfect: ``warmstart.wrong_fraction`` of the Solver's answers are wrong
+and ``warmstart.verdict_noise`` of the Verifier's verdicts too. The team then starts well
+above zero and well below perfect, where RL has room to show what it does.
+
+Demonstrations exist for the generated arithmetic set (the working of a sum or difference
+is computed, never sampled). Loss: cross-entropy on the response tokens only.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from drmas.agents import MathVerifierAgent, SolverAgent
+from drmas.config import DrmasConfig
+from drmas.episodes import Episode
+from drmas.layout import run_path
+from drmas.models import load_model, load_tokenizer
+from drmas.rollout import task_questions
+from drmas.store import Store
+from drmas.tasks import DataError, Question
+from drmas.update import collate, token_logprobs
+from drmas.workers import PolicyRef
+
+__all__ = ["column_working", "math_demonstrations", "warmstart", "warmstart_path"]
+
+ARITHMETIC = re.compile(r"^What is (\d+) ([+-]) (\d+)\?$")
+
+
+def warmstart_path(config: DrmasConfig, run_id: str, wg: str) -> str:
+    return f"{run_path(config.experiment.name, run_id)}/warmstart/policy/{wg}"
+
+
+def column_working(a: int, op: str, b: int) -> str:
+    """Digit-by-digit working, right to left, one step per column, then the boxed result.
+
+    37 + 48 -> "7+8=15, 3+4+1=8. \\boxed{85}";  52 - 17 -> "12-7=5, 5-1-1=3. \\boxed{35}".
+    """
+    steps, carry = [], 0
+    top, bottom = str(a)[::-1], str(b)[::-1]
+    for column in range(len(top)):
+        x = int(top[column])
+        y = int(bottom[column]) if column < len(bottom) else 0
+        if op == "+":
+            total = x + y + carry
+            steps.append(f"{x}+{y}" + (f"+{carry}" if carry else "") + f"={total}")
+            carry = total // 10
+        else:
+            borrow_in = carry
+            take = x - y - borrow_in
+            carry = int(take < 0)
+            x_shown = x + 10 * carry
+            steps.append(f"{x_shown}-{y}" + (f"-{borrow_in}" if borrow_in else "") + f"={x_shown - y - borrow_in}")
+    if op == "+" and carry:
+        steps.append(f"carry {carry}")
+    result = a + b if op == "+" else a - b
+    return f"{', '.join(steps)}. \\boxed{{{result}}}"
+
+
+def math_demonstrations(questions: list[Question], config: DrmasConfig, rng: np.random.Generator) -> dict[str, list[tuple[str, str]]]:
+    """(prompt, response) pairs per agent: first solves, verdicts, and second solves."""
+    solver, verifier = SolverAgent(), MathVerifierAgent()
+    warm = config.warmstart
+    demos: dict[str, list[tuple[str, str]]] = {"solver": [], "verifier": []}
+    for question in questions:
+        match = ARITHMETIC.match(question.question)
+        if match is None:
+            raise DataError(f"warm start: no demonstration for {question.question!r} (only generated:arithmetic has them)")
+        a, op, b = int(match.group(1)), match.group(2), int(match.group(3))
+        right = column_working(a, op, b)
+        wrong_value = (a + b if op == "+" else a - b) + int(rng.choice([-10, -1, 1, 10]))
+        attempt = right if rng.random() >= warm.wrong_fraction else right.rsplit("\\boxed", 1)[0] + f"\\boxed{{{wrong_value}}}"
+        episode = Episode("u", "t", 0, question)
+        demos["solver"].append((solver.prompt(episode, 1), attempt))
+        episode.team_context.append(f"Solver: {attempt}")
+        correct = attempt == right
+        verdict_right = rng.random() >= warm.verdict_noise
+        approve = correct if verdict_right else not correct
+        verdict = "approve" if approve else "reject"
+        demos["verifier"].append((verifier.prompt(episode, 1), f"<verify>{verdict}</verify>"))
+        if not approve:  # the second attempt, after a rejection, is right
+            episode.team_context.append(f"Verifier: {verdict}")
+            demos["solver"].append((solver.prompt(episode, 1), right))
+    return demos
+
+
+def warmstart(config: DrmasConfig, store: Store, run_id: str, init: dict[str, PolicyRef]) -> dict[str, PolicyRef]:
+    """Fine-tune every worker group on its agents' demonstrations (once per run)."""
+    if config.task.name != "math":
+        raise DataError("warm start: demonstrations exist for the math task only (set warmstart.steps: 0)")
+    rng = np.random.default_rng([config.experiment.seed, 17])
+    questions = task_questions(config, "train")
+    demos = math_demonstrations(questions, config, rng)
+    result = {}
+    for group in config.worker_groups():
+        path = warmstart_path(config, run_id, group.name)
+        result[group.name] = PolicyRef(path)
+        if store.exists(path):
+            continue
+        pairs = [pair for agent in group.agents for pair in demos.get(agent, [])]
+        with tempfile.TemporaryDirectory() as scratch:
+            local = store.open(init[group.name].artifact).download(Path(scratch) / "init", prefix=init[group.name].prefix)
+            metrics = _fine_tune(config, local, pairs, rng, Path(scratch) / "out")
+            with store.writer(path, meta={"stage": "warmstart", "wg": group.name}) as out:
+                out.put_dir(Path(scratch) / "out", "")
+                out.write_json("metrics.json", metrics)
+    return result
+
+
+def _fine_tune(config: DrmasConfig, folder: Path, pairs: list[tuple[str, str]], rng: np.random.Generator, out: Path) -> dict[str, float]:
+    """Cross-entropy on response tokens, AdamW with cosine decay, fixed steps."""
+    warm = config.warmstart
+    tokenizer, model = load_tokenizer(folder), load_model(folder)
+    model.train()
+    rows = []
+    for prompt, response in pairs:
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer(chat, add_special_tokens=False)["input_ids"][-config.rollout.max_prompt_tokens :]
+        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append({"prompt_ids": prompt_ids, "response_ids": response_ids, "rollout_logprobs": [0.0] * len(response_ids), "advantage": 0.0, "agent": ""})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=warm.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, warm.steps) / warm.steps)))
+    started, losses = time.perf_counter(), []
+    for _ in range(warm.steps):
+        batch = collate([rows[i] for i in rng.integers(0, len(rows), size=warm.batch_size)], tokenizer.pad_token_id)
+        logprobs, _ = token_logprobs(model, batch, want_entropy=False)
+        loss = -(logprobs * batch.response_mask).sum() / batch.response_mask.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    tail = losses[-max(1, len(losses) // 10) :]
+    return {"warmstart/loss": float(np.mean(tail)), "warmstart/seconds": time.perf_counter() - started, "warmstart/demonstrations": float(len(rows))}

@@ -1,0 +1,58 @@
+"""Warm-start demonstrations: correct working, controlled imperfection."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from drmas.config import load_config
+from drmas.tasks import Question
+from drmas.tasks.math import answers_match, extract_boxed, generate_arithmetic
+from drmas.warmstart import column_working, math_demonstrations
+
+ROOT = Path(__file__).parent.parent
+
+
+@pytest.mark.parametrize(
+    ("a", "op", "b", "expected"),
+    [
+        (37, "+", 48, "7+8=15, 3+4+1=8. \\boxed{85}"),
+        (57, "+", 48, "7+8=15, 5+4+1=10, carry 1. \\boxed{105}"),
+        (52, "-", 17, "12-7=5, 5-1-1=3. \\boxed{35}"),
+        (50, "-", 45, "10-5=5, 5-4-1=0. \\boxed{5}"),
+        (9, "-", 9, "9-9=0. \\boxed{0}"),
+    ],
+)
+def test_column_working(a, op, b, expected):
+    assert column_working(a, op, b) == expected
+
+
+def test_every_generated_problem_is_worked_correctly():
+    for question in generate_arithmetic(500, "train", seed=0, max_digits=2):
+        _, a, op, b = question.question.rstrip("?").rsplit(" ", 3)
+        assert answers_match(extract_boxed(column_working(int(a), op, int(b))), question.answers[0])
+
+
+def test_demonstrations_are_imperfect_as_configured():
+    config = load_config(ROOT / "configs" / "math_tiny.yaml", ["warmstart.wrong_fraction=0.3", "warmstart.verdict_noise=0.1"])
+    questions = generate_arithmetic(2000, "train", seed=0)
+    demos = math_demonstrations(questions, config, np.random.default_rng(0))
+    by_prompt = {prompt: response for prompt, response in demos["solver"] if "Team so far" not in prompt}
+    wrong = sum(
+        not answers_match(extract_boxed(response) or "", q.answers[0])
+        for q, response in zip(questions, by_prompt.values(), strict=True)
+    )
+    assert 0.25 < wrong / len(questions) < 0.35
+    verdicts = [response for _, response in demos["verifier"]]
+    assert len(verdicts) == len(questions) and set(verdicts) == {"<verify>approve</verify>", "<verify>reject</verify>"}
+    # Every rejection is followed by a correct second attempt that saw the rejection.
+    seconds = [(p, r) for p, r in demos["solver"] if "Verifier: reject" in p]
+    assert len(seconds) == verdicts.count("<verify>reject</verify>")
+
+
+def test_non_arithmetic_questions_have_no_demonstrations():
+    config = load_config(ROOT / "configs" / "math_tiny.yaml")
+    with pytest.raises(ValueError, match="only generated:arithmetic"):
+        math_demonstrations([Question("q", "Prove Fermat's last theorem.", ("x",), "t")], config, np.random.default_rng(0))
