@@ -13,7 +13,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 export HF_HUB_OFFLINE := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: venv run test clean-venv
+.PHONY: venv run test ui clean-venv
 
 venv: $(STAMP)
 
@@ -30,6 +30,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The MLflow UI over the default tracking store (sqlite in this folder), on 127.0.0.1 only.
+ui: $(STAMP)
+	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000
 
 clean-venv:
 	rm -rf $(VENV)

@@ -4,6 +4,8 @@
     drmas config --docs                   every config field with its documentation
     drmas run CONFIG [a.b=value ...] [--run-id ID] [--resume ID]
                                           train with the embedded runner (resumable)
+    drmas eval CONFIG --run-id ID [--iteration I] [data.eval=FILE ...]
+                                          evaluate a checkpoint (avg@k, pass@k)
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     run_cmd.add_argument("--run-id", help="name of the run (default: experiment.run_id or a timestamp)")
     run_cmd.add_argument("--resume", metavar="RUN_ID", help="continue this run after its last complete iteration")
 
+    eval_cmd = commands.add_parser("eval", help="evaluate a run's checkpoint on an eval set")
+    eval_cmd.add_argument("config", help="YAML config file (its eval section and data.eval are used)")
+    eval_cmd.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. data.eval=other.jsonl")
+    eval_cmd.add_argument("--run-id", required=True, help="the run whose checkpoint to evaluate")
+    eval_cmd.add_argument("--iteration", type=int, help="checkpointed iteration (default: the last)")
+
     args, extra = parser.parse_known_args(argv)
     # Overrides may also follow options (`--resume ID experiment.iterations=4`).
     if any("=" not in item or item.startswith("-") for item in extra) or (extra and not hasattr(args, "overrides")):
@@ -44,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "config":
             return _config(args)
+        if args.command == "eval":
+            return _eval(args)
         return _run(args)
     except ConfigError as error:
         print(f"drmas: {error}", file=sys.stderr)
@@ -84,6 +94,54 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     if summary.iterations_run == 0:
         print(f"run {run_id}: nothing left to do (all {config.experiment.iterations} iterations are complete)")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """Evaluate a checkpoint; results go to ``iter-I/evaluate-{hash of the eval settings}``."""
+    import hashlib  # noqa: PLC0415
+    import json  # noqa: PLC0415
+
+    from drmas.evaluate import evaluate  # noqa: PLC0415
+    from drmas.layout import policy_path, stage_path  # noqa: PLC0415
+    from drmas.pool import RayPool, connect_ray  # noqa: PLC0415
+    from drmas.store import Store, StoreError  # noqa: PLC0415
+    from drmas.workers import PolicyRef  # noqa: PLC0415
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    config = load_config(args.config, args.overrides)
+    store = Store.from_config(config.store)
+    experiment = config.experiment.name
+    try:
+        iteration = args.iteration
+        if iteration is None:
+            from drmas.checkpoint import resume_point  # noqa: PLC0415
+
+            iteration = resume_point(config, store, args.run_id).next_iteration - 1
+        if iteration < 0 or not store.exists(stage_path(experiment, args.run_id, iteration, "checkpoint")):
+            print(f"drmas eval: run {args.run_id} has no checkpoint for iteration {iteration}", file=sys.stderr)
+            return 1
+        settings = json.dumps({"data": config.data_spec("eval"), "eval": config.eval.model_dump()}, sort_keys=True)
+        path = stage_path(experiment, args.run_id, iteration, f"evaluate-{hashlib.sha256(settings.encode()).hexdigest()[:8]}")
+        if store.exists(path):
+            metrics = store.open(path).read_json("metrics.json")
+        else:
+            policies = {g.name: PolicyRef(policy_path(experiment, args.run_id, iteration, g.name)) for g in config.worker_groups()}
+            started = connect_ray(config)
+            try:
+                with RayPool(config, store) as pool:
+                    metrics = evaluate(config, store, path, policies, pool).metrics
+            finally:
+                if started:
+                    import ray  # noqa: PLC0415
+
+                    ray.shutdown()
+    except (StoreError, ValueError) as error:
+        print(f"drmas eval: {error}", file=sys.stderr)
+        return 1
+    print(f"{store.uri(path)}")
+    for key in sorted(metrics):
+        print(f"{key} {metrics[key]:.4f}")
     return 0
 
 
