@@ -11,6 +11,7 @@ the peak of their sum, the wall time per setting, and the ratios.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import threading
 import time
@@ -25,13 +26,8 @@ from drmas.rollout import rollout
 from drmas.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL_20M = [
-    "models.tiny.hidden_size=512",
-    "models.tiny.intermediate_size=1536",
-    "models.tiny.num_layers=6",
-    "models.tiny.num_heads=8",
-    "models.tiny.num_kv_heads=4",
-]
+sys.path.insert(0, str(ROOT / "bench"))
+from common import MODEL_20M  # noqa: E402
 
 
 def rss(pid: int) -> int:

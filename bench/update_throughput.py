@@ -12,6 +12,7 @@ response tokens through forward and backward), the fraction of the matmul peak r
 from __future__ import annotations
 
 import argparse
+import sys
 import os
 import tempfile
 import time
@@ -26,15 +27,10 @@ from drmas.models import build_scratch_policy, load_model  # noqa: E402
 from drmas.update import _train, make_engine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL_20M = [
-    "models.tiny.hidden_size=512",
-    "models.tiny.intermediate_size=1536",
-    "models.tiny.num_layers=6",
-    "models.tiny.num_heads=8",
-    "models.tiny.num_kv_heads=4",
-    "workers.sharing=by_model",
-    "train.micro_batch_size=16",
-]
+sys.path.insert(0, str(ROOT / "bench"))
+from common import MODEL_20M  # noqa: E402
+
+UPDATE_SETTINGS = [*MODEL_20M, "workers.sharing=by_model", "train.micro_batch_size=16"]
 
 
 def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
@@ -82,7 +78,7 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         for label, overrides, dtype in cases:
-            config = load_config(ROOT / "configs" / "math_tiny.yaml", [*MODEL_20M, *overrides, f"train.updates_per_iteration={args.steps}"])
+            config = load_config(ROOT / "configs" / "math_tiny.yaml", [*UPDATE_SETTINGS, *overrides, f"train.updates_per_iteration={args.steps}"])
             group = config.worker_groups()[0]
             folder = Path(scratch) / dtype
             if not folder.exists():

@@ -273,11 +273,11 @@ class PlanThenCode:
 
 
 def test_a_user_orchestra_named_by_import_path_runs(tmp_path, monkeypatch):
-    (tmp_path / "my_team.py").write_text(USER_ORCHESTRA)
+    (tmp_path / "plan_then_code_team.py").write_text(USER_ORCHESTRA)
     monkeypatch.syspath_prepend(str(tmp_path))
     config = load_config(
         CONFIGS / "math_tiny.yaml",
-        ["task.orchestra=my_team:PlanThenCode", "agents=[{name: planner, model: tiny}, {name: coder, model: tiny}]"],
+        ["task.orchestra=plan_then_code_team:PlanThenCode", "agents=[{name: planner, model: tiny}, {name: coder, model: tiny}]"],
     )
     pool = ScriptedPool(lambda wg, prompt: "PLAN add" if wg == "planner" else ("7" if "PLAN add" in prompt else "?"))
     orchestra, team = build_team(config, Tools(), pool, seed=0)

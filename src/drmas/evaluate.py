@@ -18,7 +18,7 @@ import pyarrow as pa
 from drmas.config import DrmasConfig
 from drmas.episodes import Episode
 from drmas.layout import StageResult
-from drmas.rollout import GeneratePool, build_team, play, task_questions, task_tools
+from drmas.rollout import GeneratePool, agent_call_metrics, build_team, play, task_questions, task_tools
 from drmas.store import Store
 from drmas.workers import PolicyRef
 
@@ -57,13 +57,7 @@ def evaluate(
     orchestra, team = build_team(config, task_tools(config, store), pool, seed=config.experiment.seed + 7919)
     team.sampling = {agent.name: config.eval.sampling for agent in config.agents}
     episodes = play(orchestra, team, questions, k, prefix="eval")
-    metrics = success_at_k(episodes, k)
-    calls = [call for episode in episodes for call in episode.calls]
-    for agent in team.agents:
-        mine = [call for call in calls if call.agent == agent]
-        metrics[f"eval/agent/{agent}/calls_per_episode"] = len(mine) / len(episodes)
-        if mine:
-            metrics[f"eval/agent/{agent}/valid_rate"] = float(np.mean([c.is_valid for c in mine]))
+    metrics = success_at_k(episodes, k) | agent_call_metrics(episodes, list(team.agents), prefix="eval/agent")
     metrics["time/evaluate"] = time.perf_counter() - started
     table = pa.table(
         {

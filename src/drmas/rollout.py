@@ -30,7 +30,7 @@ from drmas.store import Store
 from drmas.tasks import Question
 from drmas.workers import GenerationResult, PolicyRef
 
-__all__ = ["GeneratePool", "TeamOnPool", "draw_questions", "rollout", "task_questions", "task_tools"]
+__all__ = ["GeneratePool", "TeamOnPool", "agent_call_metrics", "draw_questions", "rollout", "task_questions", "task_tools"]
 
 
 class GeneratePool(Protocol):
@@ -183,10 +183,17 @@ def rollout_metrics(episodes: list[Episode], team: TeamOnPool, seconds: float) -
         "rollout/tokens_per_s": team.tokens / seconds if seconds > 0 else 0.0,
         "time/rollout": seconds,
     }
+    return metrics | agent_call_metrics(episodes, list(team.agents), prefix="agent")
+
+
+def agent_call_metrics(episodes: list[Episode], agents: list[str], prefix: str) -> dict[str, float]:
+    """Per agent: calls, calls per episode and the share of well-formed outputs."""
     calls = [call for episode in episodes for call in episode.calls]
-    for agent in team.agents:
+    metrics: dict[str, float] = {}
+    for agent in agents:
         mine = [call for call in calls if call.agent == agent]
-        metrics[f"agent/{agent}/calls"] = float(len(mine))
+        metrics[f"{prefix}/{agent}/calls"] = float(len(mine))
+        metrics[f"{prefix}/{agent}/calls_per_episode"] = len(mine) / max(len(episodes), 1)
         if mine:
-            metrics[f"agent/{agent}/valid_rate"] = float(np.mean([c.is_valid for c in mine]))
+            metrics[f"{prefix}/{agent}/valid_rate"] = float(np.mean([c.is_valid for c in mine]))
     return metrics
