@@ -26,11 +26,12 @@ SMALL = [
     "models.tiny.num_layers=1",
     "ray.max_resident=2",
     "train.lr=0.001",
+    "warmstart.steps=5",
 ]
 
 
-def drmas_run(tmp_path: Path, *args: str, wait: bool = True):
-    command = [str(Path(sys.executable).parent / "drmas"), "run", str(ROOT / "configs" / "math_tiny.yaml"), *SMALL, f"store.root={tmp_path / 'runs'}", *args]
+def drmas_run(tmp_path: Path, *args: str, wait: bool = True, config: str = "math_tiny.yaml"):
+    command = [str(Path(sys.executable).parent / "drmas"), "run", str(ROOT / "configs" / config), *SMALL, f"store.root={tmp_path / 'runs'}", *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if not wait:
         # Its own process group: the kill takes the driver and the Ray it started, nothing else.
@@ -89,3 +90,15 @@ def assert_tracked(tmp_path: Path, run: str) -> None:
     assert [m.step for m in client.get_metric_history(found.info.run_id, "eval/avg_at_2")] == [0, 2, 3]
     assert found.data.tags["lineage.checkpoint"].endswith(f"math-tiny/{run}/iter-000002/checkpoint")
     assert found.info.status == "FINISHED"
+
+
+def test_search_team_end_to_end(tmp_path):
+    """The search task through `drmas run`: every stage's artifact is in the store."""
+    done = drmas_run(tmp_path, "--run-id", "s", "experiment.iterations=2", "warmstart.steps=0", "task.max_turns=2", "eval.every=1", "eval.max_questions=2", "eval.k=2", config="search_tiny.yaml")
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = tmp_path / "runs" / "search-tiny" / "s"
+    for stage in ("rollout", "advantage", "policy/verifier-search-answer", "optim/verifier-search-answer", "evaluate", "checkpoint"):
+        for iteration in (0, 1):
+            assert (run / f"iter-{iteration:06d}" / stage / "_MANIFEST.json").exists(), stage
+    assert (run / "init" / "evaluate" / "_MANIFEST.json").exists()
+    assert "iter 1:" in done.stdout
