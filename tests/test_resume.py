@@ -49,6 +49,7 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
     assert full.returncode == 0, full.stdout + full.stderr
     assert "iter 2:" in full.stdout and "before training: eval avg@2" in full.stdout
     assert_tracked(tmp_path, "full")
+    assert_rerun_recomputes_only_the_stage(tmp_path)
 
     killed = drmas_run(tmp_path, "--run-id", "cut", "eval.every=2", "eval.max_questions=3", "eval.k=2", wait=False)
     marker = tmp_path / "runs" / "math-tiny" / "cut" / "iter-000001" / "checkpoint" / "_MANIFEST.json"
@@ -102,3 +103,20 @@ def test_search_team_end_to_end(tmp_path):
             assert (run / f"iter-{iteration:06d}" / stage / "_MANIFEST.json").exists(), stage
     assert (run / "init" / "evaluate" / "_MANIFEST.json").exists()
     assert "iter 1:" in done.stdout
+
+
+def assert_rerun_recomputes_only_the_stage(tmp_path: Path) -> None:
+    """`drmas rerun` of the advantage stage reproduces the stored batch byte for byte, and
+    every other stage of the iteration is a cache hit (their manifests are untouched)."""
+    iteration = tmp_path / "runs" / "math-tiny" / "full" / "iter-000001"
+    manifests = {path: path.read_bytes() for path in iteration.glob("*/**/_MANIFEST.json")}
+    batch = (iteration / "advantage" / "batch.parquet").read_bytes()
+    command = [str(Path(sys.executable).parent / "drmas"), "rerun", str(ROOT / "configs" / "math_tiny.yaml"), *SMALL,
+               f"store.root={tmp_path / 'runs'}", "eval.every=2", "eval.max_questions=3", "eval.k=2",
+               "--run-id", "full", "--iteration", "1", "--stage", "advantage"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "recomputed: advantage;" in done.stdout and "cache hits: rollout, policy/solver, policy/verifier, evaluate, checkpoint" in done.stdout
+    assert (iteration / "advantage" / "batch.parquet").read_bytes() == batch
+    changed = [p for p, data in manifests.items() if p.read_bytes() != data]
+    assert changed == [iteration / "advantage" / "_MANIFEST.json"] or changed == []

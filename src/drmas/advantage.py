@@ -68,7 +68,7 @@ def batch_metrics(score: np.ndarray, advantages: np.ndarray, trajectories: pa.Ta
     return metrics
 
 
-def advantage(config: DrmasConfig, store: Store, run_id: str, iteration: int, overwrite: bool = False) -> StageResult:
+def advantage(config: DrmasConfig, store: Store, run_id: str, iteration: int, overwrite: bool = False, cache_key: str = "") -> StageResult:
     """Read the iteration's trajectories, write its batch (manifest last)."""
     started = time.perf_counter()
     experiment = config.experiment.name
@@ -77,7 +77,7 @@ def advantage(config: DrmasConfig, store: Store, run_id: str, iteration: int, ov
     batch, metrics = add_advantages(trajectories, config)
     metrics["time/advantage"] = time.perf_counter() - started
     path = stage_path(experiment, run_id, iteration, "advantage")
-    meta = {"stage": "advantage", "iteration": iteration, "input": source.uri, "mode": config.algorithm.advantage}
+    meta = {"stage": "advantage", "iteration": iteration, "input": source.uri, "mode": config.algorithm.advantage, "cache_key": cache_key}
     with store.writer(path, overwrite=overwrite, meta=meta) as out:
         out.write_table("batch.parquet", batch, BATCH_SCHEMA)
         out.write_json("metrics.json", metrics)

@@ -13,8 +13,6 @@ stage is deterministic given its inputs, the resumed run is the run that was nev
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 
 from drmas.config import DrmasConfig
@@ -34,13 +32,7 @@ class ResumePoint:
     optims: dict[str, PolicyRef | None]
 
 
-def _manifest_hash(store: Store, path: str) -> str:
-    artifact = store.open(path)  # raises if incomplete
-    entries = sorted((name, entry.sha256) for name, entry in artifact.files.items())
-    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
-
-
-def checkpoint(config: DrmasConfig, store: Store, run_id: str, iteration: int, metrics: dict[str, float], overwrite: bool = False) -> StageResult:
+def checkpoint(config: DrmasConfig, store: Store, run_id: str, iteration: int, metrics: dict[str, float], overwrite: bool = False, cache_key: str = "") -> StageResult:
     """Commit the iteration: every worker group's policy and optimizer state, verified."""
     experiment = config.experiment.name
     groups = {}
@@ -49,12 +41,12 @@ def checkpoint(config: DrmasConfig, store: Store, run_id: str, iteration: int, m
         optim = optim_path(experiment, run_id, iteration, group.name)
         groups[group.name] = {
             "policy": policy,
-            "policy_manifest": _manifest_hash(store, policy),
+            "policy_manifest": store.fingerprint(policy),
             "optim": optim,
-            "optim_manifest": _manifest_hash(store, optim),
+            "optim_manifest": store.fingerprint(optim),
         }
     path = stage_path(experiment, run_id, iteration, "checkpoint")
-    with store.writer(path, overwrite=overwrite, meta={"stage": "checkpoint", "iteration": iteration}) as out:
+    with store.writer(path, overwrite=overwrite, meta={"stage": "checkpoint", "iteration": iteration, "cache_key": cache_key}) as out:
         out.write_json("checkpoint.json", {"iteration": iteration, "worker_groups": groups})
         out.write_json("metrics.json", metrics)
     return StageResult(path, metrics)
@@ -85,7 +77,7 @@ def resume_point(config: DrmasConfig, store: Store, run_id: str) -> ResumePoint:
             raise CorruptArtifact(f"checkpoint of iteration {last} has no worker group {wg!r} (config changed?)")
         for kind in ("policy", "optim"):
             try:
-                found = _manifest_hash(store, entry[kind])
+                found = store.fingerprint(entry[kind])
             except ArtifactNotFound:
                 raise CorruptArtifact(f"{store.uri(entry[kind])}: named by the checkpoint of iteration {last} but missing") from None
             if found != entry[f"{kind}_manifest"]:

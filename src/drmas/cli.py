@@ -6,6 +6,8 @@
                                           train with the embedded runner (resumable)
     drmas eval CONFIG --run-id ID [--iteration I] [data.eval=FILE ...]
                                           evaluate a checkpoint (avg@k, pass@k)
+    drmas rerun CONFIG --run-id ID --iteration I --stage advantage
+                                          recompute one stage from its stored inputs
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     eval_cmd.add_argument("--run-id", required=True, help="the run whose checkpoint to evaluate")
     eval_cmd.add_argument("--iteration", type=int, help="checkpointed iteration (default: the last)")
 
+    rerun_cmd = commands.add_parser("rerun", help="recompute one stage of an iteration from its stored inputs")
+    rerun_cmd.add_argument("config", help="YAML config file of the run")
+    rerun_cmd.add_argument("overrides", nargs="*", help="section.field=value overrides (must match the run's)")
+    rerun_cmd.add_argument("--run-id", required=True)
+    rerun_cmd.add_argument("--iteration", type=int, required=True)
+    rerun_cmd.add_argument("--stage", required=True, help="rollout, advantage, update (or policy/WG), evaluate or checkpoint")
+
     args, extra = parser.parse_known_args(argv)
     # Overrides may also follow options (`--resume ID experiment.iterations=4`).
     if any("=" not in item or item.startswith("-") for item in extra) or (extra and not hasattr(args, "overrides")):
@@ -54,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             return _config(args)
         if args.command == "eval":
             return _eval(args)
+        if args.command == "rerun":
+            return _rerun(args)
         return _run(args)
     except ConfigError as error:
         print(f"drmas: {error}", file=sys.stderr)
@@ -94,6 +105,23 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     if summary.iterations_run == 0:
         print(f"run {run_id}: nothing left to do (all {config.experiment.iterations} iterations are complete)")
+    return 0
+
+
+def _rerun(args: argparse.Namespace) -> int:
+    from drmas.runner import open_run, rerun  # noqa: PLC0415
+    from drmas.store import Store, StoreError  # noqa: PLC0415
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    config = load_config(args.config, args.overrides)
+    try:
+        store = Store.from_config(config.store)
+        config = open_run(config, store, args.run_id, resume=True)
+        result = rerun(config, store, args.run_id, args.iteration, args.stage, cache_dir=Path(".cache") / "drmas")
+    except (StoreError, ValueError) as error:
+        print(f"drmas rerun: {error}", file=sys.stderr)
+        return 1
+    print(f"recomputed: {', '.join(result.recomputed)}; cache hits: {', '.join(n for n in result.stages if n not in result.recomputed and not n.startswith('optim/'))}")
     return 0
 
 

@@ -48,6 +48,7 @@ def evaluate(
     policies: dict[str, PolicyRef],
     pool: GeneratePool,
     overwrite: bool = False,
+    cache_key: str = "",
 ) -> StageResult:
     """Evaluate ``policies`` on the eval split; write ``{path}/eval.parquet`` and metrics."""
     started = time.perf_counter()
@@ -72,7 +73,7 @@ def evaluate(
             "calls": pa.array([len(e.calls) for e in episodes], pa.int32()),
         }
     )
-    with store.writer(path, overwrite=overwrite, meta={"stage": "evaluate", "k": k}) as out:
+    with store.writer(path, overwrite=overwrite, meta={"stage": "evaluate", "k": k, "cache_key": cache_key}) as out:
         out.write_table("eval.parquet", table)
         out.write_json("metrics.json", metrics)
     return StageResult(path, metrics)

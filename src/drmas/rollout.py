@@ -154,6 +154,7 @@ def rollout(
     policies: dict[str, PolicyRef],
     pool: GeneratePool,
     overwrite: bool = False,
+    cache_key: str = "",
 ) -> StageResult:
     """Roll out one iteration and write ``{iteration}/rollout/trajectories.parquet``."""
     started = time.perf_counter()
@@ -166,7 +167,7 @@ def rollout(
     seconds = time.perf_counter() - started
     metrics = rollout_metrics(episodes, team, seconds)
     path = stage_path(config.experiment.name, run_id, iteration, "rollout")
-    with store.writer(path, overwrite=overwrite, meta={"stage": "rollout", "iteration": iteration}) as out:
+    with store.writer(path, overwrite=overwrite, meta={"stage": "rollout", "iteration": iteration, "cache_key": cache_key}) as out:
         out.write_table("trajectories.parquet", table, TRAJECTORY_SCHEMA)
         out.write_json("metrics.json", metrics)
     return StageResult(path, metrics)

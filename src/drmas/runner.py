@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from drmas.advantage import advantage
+from drmas.caching import cache_key, is_cached
 from drmas.checkpoint import checkpoint, resume_point
 from drmas.evaluate import evaluate
 from drmas.config import ConfigError, DrmasConfig
-from drmas.layout import StageResult, optim_path, policy_path, run_path, stage_path
+from drmas.layout import optim_path, policy_path, run_path, stage_path
 from drmas.policies import init_policies
 from drmas.rollout import rollout
 from drmas.store import Store
@@ -25,7 +26,7 @@ from drmas.update import update
 from drmas.warmstart import warmstart
 from drmas.workers import PolicyRef
 
-__all__ = ["RunSummary", "open_run", "train"]
+__all__ = ["IterationResult", "RunSummary", "open_run", "rerun", "run_iteration", "train"]
 
 log = logging.getLogger("drmas")
 
@@ -62,23 +63,108 @@ def open_run(config: DrmasConfig, store: Store, run_id: str, resume: bool) -> Dr
     return config
 
 
-def _done_or(store: Store, path: str, run) -> StageResult:
-    """Reuse a complete stage output (its metrics), or run the stage."""
-    if store.exists(path):
-        artifact = store.open(path)
-        metrics = artifact.read_json("metrics.json") if "metrics.json" in artifact.files else {}
-        return StageResult(path, metrics)
-    return run()
+class PoolOnDemand:
+    """The Ray pool, started on first use: a rerun that recomputes nothing starts no Ray."""
+
+    def __init__(self, config: DrmasConfig, store: Store, cache_dir: Path | None) -> None:
+        self.config, self.store, self.cache_dir = config, store, cache_dir
+        self.pool = None
+        self.started_ray = False
+
+    def __call__(self):
+        if self.pool is None:
+            from drmas.pool import RayPool, connect_ray  # noqa: PLC0415 - Ray only when needed
+
+            self.started_ray = connect_ray(self.config, self.cache_dir / "ray" if self.cache_dir else None)
+            self.pool = RayPool(self.config, self.store, cache_dir=self.cache_dir / "policies" if self.cache_dir else None)
+        return self.pool
+
+    def __enter__(self) -> PoolOnDemand:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        if self.started_ray:
+            import ray  # noqa: PLC0415
+
+            ray.shutdown()
+
+
+@dataclass
+class IterationResult:
+    metrics: dict[str, float]
+    stages: dict[str, str]
+    """Stage name -> artifact path (lineage)."""
+    policies: dict[str, PolicyRef]
+    optims: dict[str, PolicyRef | None]
+    recomputed: list[str]
+    """The stages that ran; the others were cache hits."""
+
+
+def run_iteration(
+    config: DrmasConfig,
+    store: Store,
+    run_id: str,
+    i: int,
+    policies: dict[str, PolicyRef],
+    optims: dict[str, PolicyRef | None],
+    reference: dict[str, PolicyRef],
+    pool: PoolOnDemand,
+    force: frozenset[str] = frozenset(),
+) -> IterationResult:
+    """Rollout, advantage, update per worker group, evaluate (when due), checkpoint.
+
+    Each stage runs only when its cached output is missing or stale (see drmas.caching),
+    or when it is named in ``force``.
+    """
+    experiment = config.experiment.name
+    began = time.perf_counter()
+    out = IterationResult({}, {}, {}, {}, [])
+
+    def stage(name: str, path: str, kind: str, inputs: dict[str, str], compute, **values) -> None:
+        key = cache_key(config, kind, store, inputs, **values)
+        if name in force or not is_cached(store, path, key):
+            out.metrics.update(compute(key).metrics)
+            out.recomputed.append(name)
+        elif "metrics.json" in store.open(path).files:
+            out.metrics.update(store.open(path).read_json("metrics.json"))
+        out.stages[name] = path
+
+    policy_inputs = {f"policy/{wg}": ref.artifact for wg, ref in policies.items()}
+    stage("rollout", stage_path(experiment, run_id, i, "rollout"), "rollout", policy_inputs,
+          lambda key: rollout(config, store, run_id, i, policies, pool(), overwrite=True, cache_key=key), iteration=i)
+    stage("advantage", stage_path(experiment, run_id, i, "advantage"), "advantage", {"rollout": out.stages["rollout"]},
+          lambda key: advantage(config, store, run_id, i, overwrite=True, cache_key=key))
+    for wg in policies:
+        inputs = {"batch": out.stages["advantage"], "policy": policies[wg].artifact}
+        if optims[wg] is not None:
+            inputs["optim"] = optims[wg].artifact
+        if config.algorithm.kl_coef:
+            inputs["reference"] = reference[wg].artifact
+        stage(f"policy/{wg}", policy_path(experiment, run_id, i, wg), "update", inputs,
+              lambda key, wg=wg: update(config, store, run_id, i, wg, policies[wg], optims[wg], reference[wg], overwrite=True, cache_key=key),
+              iteration=i, wg=wg)
+        out.stages[f"optim/{wg}"] = optim_path(experiment, run_id, i, wg)
+        out.policies[wg], out.optims[wg] = PolicyRef(out.stages[f"policy/{wg}"]), PolicyRef(out.stages[f"optim/{wg}"])
+    new_policies = {f"policy/{wg}": ref.artifact for wg, ref in out.policies.items()}
+    if config.eval.every and ((i + 1) % config.eval.every == 0 or i == config.experiment.iterations - 1):
+        path = stage_path(experiment, run_id, i, "evaluate")
+        stage("evaluate", path, "evaluate", new_policies,
+              lambda key: evaluate(config, store, path, out.policies, pool(), overwrite=True, cache_key=key))
+    out.metrics["time/iteration"] = time.perf_counter() - began
+    optim_inputs = {f"optim/{wg}": ref.artifact for wg, ref in out.optims.items()}
+    stage("checkpoint", stage_path(experiment, run_id, i, "checkpoint"), "checkpoint", {**new_policies, **optim_inputs},
+          lambda key: checkpoint(config, store, run_id, i, dict(out.metrics), overwrite=True, cache_key=key), iteration=i)
+    return out
 
 
 def train(config: DrmasConfig, store: Store, run_id: str, cache_dir: Path | None = None, config_path: str | None = None) -> RunSummary:
     """Train from the last complete iteration to ``experiment.iterations``.
 
-    Per iteration: rollout, advantage, update per worker group, evaluate (when due), then
-    the checkpoint that commits it. Metrics go to MLflow with ``step`` = the number of
-    completed iterations (step 0 is the evaluation before training).
+    Metrics go to MLflow with ``step`` = the number of completed iterations (step 0 is the
+    evaluation before training).
     """
-    from drmas.pool import RayPool, connect_ray  # noqa: PLC0415 - Ray only when training
     from drmas.tracking import Tracker  # noqa: PLC0415
 
     experiment, total = config.experiment.name, config.experiment.iterations
@@ -91,53 +177,50 @@ def train(config: DrmasConfig, store: Store, run_id: str, cache_dir: Path | None
     initial = init_policies(config, store, run_id)
     if config.warmstart.steps:
         initial = warmstart(config, store, run_id, initial)
-    reference = initial  # the KL anchor, and what "before training" evaluates
     policies = initial if start.next_iteration == 0 else start.policies
     optims = start.optims
-    groups = [group.name for group in config.worker_groups()]
-    started_ray = connect_ray(config, cache_dir / "ray" if cache_dir else None)
     metrics: dict[str, float] = {}
     try:
-        with RayPool(config, store, cache_dir=cache_dir / "policies" if cache_dir else None) as pool:
+        with PoolOnDemand(config, store, cache_dir) as pool:
             if config.eval.every and start.next_iteration == 0:
-                before = _done_or(store, f"{run_path(experiment, run_id)}/init/evaluate", lambda: evaluate(config, store, f"{run_path(experiment, run_id)}/init/evaluate", reference, pool))
-                tracker.log_metrics(before.metrics, step=0)
-                log.info("before training: %s", _eval_line(before.metrics, config.eval.k))
+                path = f"{run_path(experiment, run_id)}/init/evaluate"
+                key = cache_key(config, "evaluate", store, {f"policy/{wg}": ref.artifact for wg, ref in initial.items()})
+                before = store.open(path).read_json("metrics.json") if is_cached(store, path, key) else evaluate(config, store, path, initial, pool(), overwrite=True, cache_key=key).metrics
+                tracker.log_metrics(before, step=0)
+                log.info("before training: %s", _eval_line(before, config.eval.k))
             for i in range(start.next_iteration, total):
-                began = time.perf_counter()
-                stages = {"rollout": stage_path(experiment, run_id, i, "rollout"), "advantage": stage_path(experiment, run_id, i, "advantage")}
-                metrics = _done_or(store, stages["rollout"], lambda: rollout(config, store, run_id, i, policies, pool)).metrics.copy()
-                metrics |= _done_or(store, stages["advantage"], lambda: advantage(config, store, run_id, i)).metrics
-                for wg in groups:
-                    stages[f"policy/{wg}"] = policy_path(experiment, run_id, i, wg)
-                    stages[f"optim/{wg}"] = optim_path(experiment, run_id, i, wg)
-                    metrics |= _done_or(
-                        store,
-                        stages[f"policy/{wg}"],
-                        lambda: update(config, store, run_id, i, wg, policies[wg], optims[wg], reference[wg], overwrite=True),
-                    ).metrics
-                policies = {wg: PolicyRef(stages[f"policy/{wg}"]) for wg in groups}
-                optims = {wg: PolicyRef(stages[f"optim/{wg}"]) for wg in groups}
-                if config.eval.every and ((i + 1) % config.eval.every == 0 or i == total - 1):
-                    stages["evaluate"] = stage_path(experiment, run_id, i, "evaluate")
-                    metrics |= _done_or(store, stages["evaluate"], lambda: evaluate(config, store, stages["evaluate"], policies, pool, overwrite=True)).metrics
-                metrics["time/iteration"] = time.perf_counter() - began
-                stages["checkpoint"] = checkpoint(config, store, run_id, i, metrics).artifact
+                result = run_iteration(config, store, run_id, i, policies, optims, initial, pool)
+                policies, optims, metrics = result.policies, result.optims, result.metrics
                 tracker.log_metrics(metrics, step=i + 1)
-                tracker.log_lineage(i, {stage: store.uri(path) for stage, path in stages.items()})
+                tracker.log_lineage(i, {name: store.uri(path) for name, path in result.stages.items()})
                 log.info(_summary_line(i, metrics, config.eval.k))
     except BaseException:
         tracker.finish("KILLED")
         raise
-    finally:
-        if started_ray:
-            import ray  # noqa: PLC0415
-
-            ray.shutdown()
     tracker.finish()
     if tracker.gaps:
         log.warning("tracking: %d MLflow call(s) failed during the run; the store holds every result", tracker.gaps)
     return RunSummary(run_id, total - start.next_iteration, total - 1, metrics)
+
+
+def rerun(config: DrmasConfig, store: Store, run_id: str, iteration: int, stage_name: str, cache_dir: Path | None = None) -> IterationResult:
+    """Recompute ``stage_name`` of a checkpointed iteration from its stored inputs; the stages
+    after it in that iteration recompute only if their inputs changed (cache keys)."""
+    experiment = config.experiment.name
+    if not store.exists(stage_path(experiment, run_id, iteration, "checkpoint")):
+        raise ValueError(f"run {run_id} has no checkpoint for iteration {iteration}: nothing to rerun")
+    initial = init_policies(config, store, run_id)
+    if config.warmstart.steps:
+        initial = warmstart(config, store, run_id, initial)
+    groups = [group.name for group in config.worker_groups()]
+    if iteration == 0:
+        policies, optims = initial, {wg: None for wg in groups}
+    else:
+        policies = {wg: PolicyRef(policy_path(experiment, run_id, iteration - 1, wg)) for wg in groups}
+        optims = {wg: PolicyRef(optim_path(experiment, run_id, iteration - 1, wg)) for wg in groups}
+    with PoolOnDemand(config, store, cache_dir) as pool:
+        force = {f"policy/{wg}" for wg in groups} if stage_name == "update" else {stage_name}
+        return run_iteration(config, store, run_id, iteration, policies, optims, initial, pool, force=frozenset(force))
 
 
 def _eval_line(metrics: dict[str, float], k: int) -> str:

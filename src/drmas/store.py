@@ -146,6 +146,13 @@ class Store:
             raise ArtifactNotFound(f"no complete artifact at {self.uri(path)} (no {MANIFEST})") from None
         return Artifact(self, path, *_parse_manifest(raw, self.uri(path, MANIFEST)))
 
+    def fingerprint(self, path: str, ignore: tuple[str, ...] = ()) -> str:
+        """A hash of the artifact's content (its files' names and sha256 from the manifest,
+        except the ``ignore``d names): equal for two artifacts exactly when their files are."""
+        files = self.open(path).files.items()
+        entries = sorted((name, entry.sha256) for name, entry in files if name not in ignore)
+        return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+
     def list(self, prefix: str = "") -> list[str]:
         """Paths of the complete artifacts under ``prefix``, sorted."""
         selector = pafs.FileSelector(self._abs(prefix), recursive=True, allow_not_found=True)

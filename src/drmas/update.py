@@ -393,6 +393,7 @@ def update(
     optim: PolicyRef | None,
     reference: PolicyRef | None = None,
     overwrite: bool = False,
+    cache_key: str = "",
 ) -> StageResult:
     """Update one worker group; write its policy and optimizer state (rank 0 writes)."""
     started = time.perf_counter()
@@ -420,7 +421,7 @@ def update(
             model.save_pretrained(saved / "policy", safe_serialization=True)
             tokenizer.save_pretrained(saved / "policy")
             save_state(engine.export_state(), saved / "optim")
-            meta = {"stage": "update", "iteration": iteration, "wg": wg}
+            meta = {"stage": "update", "iteration": iteration, "wg": wg, "cache_key": cache_key}
             with store.writer(optim_path(experiment, run_id, iteration, wg), overwrite=overwrite, meta=meta) as out:
                 out.put_dir(saved / "optim", "")
             with store.writer(out_policy, overwrite=overwrite, meta=meta) as out:
