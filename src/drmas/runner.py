@@ -1,9 +1,11 @@
 """The embedded runner: the whole training loop on one machine, one screen long.
 
 Each iteration calls the same stage functions that the Kubeflow components call. A stage
-whose output artifact is already complete is not run again (stages are deterministic given
-their inputs, so its output is what a rerun would produce), which is what makes a killed
-run resumable: ``train`` continues after the last checkpointed iteration.
+whose output already exists with the same cache key (its inputs' content, the config it
+reads, the code version: ``drmas.caching``) is not run again; stages are deterministic
+given their inputs, so that output is what a rerun would produce. This makes a killed run
+resumable (``train`` continues after the last checkpointed iteration, reusing the stages
+of the interrupted one that had finished) and lets ``rerun`` recompute a single stage.
 """
 
 from __future__ import annotations
