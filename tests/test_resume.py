@@ -48,6 +48,9 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
     full = drmas_run(tmp_path, "--run-id", "full", "eval.every=2", "eval.max_questions=3", "eval.k=2")
     assert full.returncode == 0, full.stdout + full.stderr
     assert "iter 2:" in full.stdout and "before training: eval avg@2" in full.stdout
+    table = full.stdout.split("before    after")[1]
+    assert table.splitlines()[1].startswith("eval avg@2") and "solver valid outputs" in table
+    assert f"checkpoint: {tmp_path / 'runs'}/math-tiny/full/iter-000002/checkpoint" in full.stdout
     assert_tracked(tmp_path, "full")
     assert_rerun_recomputes_only_the_stage(tmp_path)
 
@@ -91,6 +94,8 @@ def assert_tracked(tmp_path: Path, run: str) -> None:
     assert [m.step for m in client.get_metric_history(found.info.run_id, "eval/avg_at_2")] == [0, 2, 3]
     assert found.data.tags["lineage.checkpoint"].endswith(f"math-tiny/{run}/iter-000002/checkpoint")
     assert found.info.status == "FINISHED"
+    episodes = [a.path for a in client.list_artifacts(found.info.run_id, "episodes")]
+    assert episodes == [f"episodes/iter-{i:06d}.json" for i in range(3)]
 
 
 def test_search_team_end_to_end(tmp_path):

@@ -85,7 +85,7 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from drmas.runner import open_run, train  # noqa: PLC0415
+    from drmas.runner import open_run, summary_table, train  # noqa: PLC0415
     from drmas.store import Store, StoreError  # noqa: PLC0415
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
@@ -105,6 +105,10 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     if summary.iterations_run == 0:
         print(f"run {run_id}: nothing left to do (all {config.experiment.iterations} iterations are complete)")
+        return 0
+    if summary.before or any(key.startswith("eval/") for key in summary.metrics):
+        print(summary_table(summary, config.eval.k))
+    print(f"checkpoint: {summary.checkpoint}\nmlflow: {summary.tracking} (browse with: make ui)")
     return 0
 
 

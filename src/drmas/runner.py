@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from drmas.advantage import advantage
@@ -28,7 +28,7 @@ from drmas.update import update
 from drmas.warmstart import warmstart
 from drmas.workers import PolicyRef
 
-__all__ = ["IterationResult", "RunSummary", "open_run", "rerun", "run_iteration", "train"]
+__all__ = ["IterationResult", "RunSummary", "open_run", "rerun", "run_iteration", "summary_table", "train"]
 
 log = logging.getLogger("drmas")
 
@@ -39,6 +39,19 @@ class RunSummary:
     iterations_run: int
     last_iteration: int
     metrics: dict[str, float]
+    before: dict[str, float] = field(default_factory=dict)
+    """Evaluation of the starting policies (empty when the run was resumed or has no eval)."""
+    tracking: str = ""
+    checkpoint: str = ""
+
+
+SAMPLE_CALLS = 16
+"""Agent calls per iteration shown in MLflow's episodes table."""
+
+
+def _sample_calls(store: Store, rollout_path: str) -> dict[str, list]:
+    table = store.open(rollout_path).read_table("trajectories.parquet").slice(0, SAMPLE_CALLS)
+    return {name: table[name].to_pylist() for name in ("traj_uid", "env_step", "agent", "response_text", "is_valid", "reward")}
 
 
 def open_run(config: DrmasConfig, store: Store, run_id: str, resume: bool) -> DrmasConfig:
@@ -182,6 +195,8 @@ def train(config: DrmasConfig, store: Store, run_id: str, cache_dir: Path | None
     policies = initial if start.next_iteration == 0 else start.policies
     optims = start.optims
     metrics: dict[str, float] = {}
+    before: dict[str, float] = {}
+    last_checkpoint = ""
     try:
         with PoolOnDemand(config, store, cache_dir) as pool:
             if config.eval.every and start.next_iteration == 0:
@@ -195,6 +210,8 @@ def train(config: DrmasConfig, store: Store, run_id: str, cache_dir: Path | None
                 policies, optims, metrics = result.policies, result.optims, result.metrics
                 tracker.log_metrics(metrics, step=i + 1)
                 tracker.log_lineage(i, {name: store.uri(path) for name, path in result.stages.items()})
+                tracker.log_episodes(i, _sample_calls(store, result.stages["rollout"]))
+                last_checkpoint = store.uri(result.stages["checkpoint"])
                 log.info(_summary_line(i, metrics, config.eval.k))
     except BaseException:
         tracker.finish("KILLED")
@@ -202,7 +219,19 @@ def train(config: DrmasConfig, store: Store, run_id: str, cache_dir: Path | None
     tracker.finish()
     if tracker.gaps:
         log.warning("tracking: %d MLflow call(s) failed during the run; the store holds every result", tracker.gaps)
-    return RunSummary(run_id, total - start.next_iteration, total - 1, metrics)
+    return RunSummary(run_id, total - start.next_iteration, total - 1, metrics, before, tracker.url, last_checkpoint)
+
+
+def summary_table(summary: RunSummary, k: int) -> str:
+    """Before and after, side by side: eval success and each agent's output validity."""
+    rows = [(f"eval avg@{k}", f"eval/avg_at_{k}"), (f"eval pass@{k}", f"eval/pass_at_{k}")]
+    agents = sorted({key.split("/")[2] for key in summary.metrics if key.startswith("eval/agent/") and key.endswith("/valid_rate")})
+    rows += [(f"{agent} valid outputs", f"eval/agent/{agent}/valid_rate") for agent in agents]
+    lines = [f"{'':24} {'before':>8} {'after':>8}"]
+    for label, key in rows:
+        first, last = summary.before.get(key), summary.metrics.get(key)
+        lines.append(f"{label:24} {'' if first is None else f'{first:8.3f}':>8} {'' if last is None else f'{last:8.3f}':>8}")
+    return "\n".join(lines)
 
 
 def rerun(config: DrmasConfig, store: Store, run_id: str, iteration: int, stage_name: str, cache_dir: Path | None = None) -> IterationResult:

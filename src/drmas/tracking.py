@@ -112,5 +112,9 @@ class Tracker:
 
         self._safely(send)
 
+    def log_episodes(self, iteration: int, rows: dict[str, list[Any]]) -> None:
+        """Sample agent calls of an iteration as an MLflow table (shown in the UI)."""
+        self._safely(lambda: self.mlflow.MlflowClient().log_table(self.mlflow_run_id, rows, f"episodes/iter-{iteration:06d}.json"))
+
     def finish(self, status: str = "FINISHED") -> None:
         self._safely(lambda: self.mlflow.MlflowClient().set_terminated(self.mlflow_run_id, status))
