@@ -117,6 +117,12 @@ class IterationResult:
     """The stages that ran; the others were cache hits."""
 
 
+def starting_policies(config: DrmasConfig, store: Store, run_id: str) -> dict[str, PolicyRef]:
+    """The policies iteration 0 starts from (and the KL anchor): initial, then warm-started."""
+    initial = init_policies(config, store, run_id)
+    return warmstart(config, store, run_id, initial) if config.warmstart.steps else initial
+
+
 def run_iteration(
     config: DrmasConfig,
     store: Store,
@@ -189,9 +195,7 @@ def train(config: DrmasConfig, store: Store, run_id: str, cache_dir: Path | None
         return RunSummary(run_id, 0, start.next_iteration - 1, {})
     tracker = Tracker(config, run_id, store.root, config_path)
     log.info("tracking: %s", tracker.url)
-    initial = init_policies(config, store, run_id)
-    if config.warmstart.steps:
-        initial = warmstart(config, store, run_id, initial)
+    initial = starting_policies(config, store, run_id)
     policies = initial if start.next_iteration == 0 else start.policies
     optims = start.optims
     metrics: dict[str, float] = {}
@@ -240,9 +244,7 @@ def rerun(config: DrmasConfig, store: Store, run_id: str, iteration: int, stage_
     experiment = config.experiment.name
     if not store.exists(stage_path(experiment, run_id, iteration, "checkpoint")):
         raise ValueError(f"run {run_id} has no checkpoint for iteration {iteration}: nothing to rerun")
-    initial = init_policies(config, store, run_id)
-    if config.warmstart.steps:
-        initial = warmstart(config, store, run_id, initial)
+    initial = starting_policies(config, store, run_id)
     groups = [group.name for group in config.worker_groups()]
     if iteration == 0:
         policies, optims = initial, {wg: None for wg in groups}
