@@ -33,7 +33,7 @@ test: $(STAMP)
 
 # The MLflow UI over the default tracking store (sqlite in this folder), on 127.0.0.1 only.
 ui: $(STAMP)
-	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000
+	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/runs/mlflow.db --host 127.0.0.1 --port 5000
 
 clean-venv:
 	rm -rf $(VENV)

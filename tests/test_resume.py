@@ -84,10 +84,12 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
 
 
 def assert_tracked(tmp_path: Path, run: str) -> None:
-    """MLflow (sqlite in the working folder) holds params, per-iteration metrics, lineage."""
+    """MLflow (sqlite in the store's folder by default) holds params, per-iteration metrics,
+    lineage, the datasets, the report's figures and a registered version per worker group;
+    the report is in the store too."""
     import mlflow
 
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     [found] = client.search_runs([client.get_experiment_by_name("math-tiny").experiment_id], f"tags.`drmas.run_id` = '{run}'")
     assert found.data.params["algorithm.advantage"] == "drmas"
     assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == [1, 2, 3]
@@ -96,6 +98,18 @@ def assert_tracked(tmp_path: Path, run: str) -> None:
     assert found.info.status == "FINISHED"
     episodes = [a.path for a in client.list_artifacts(found.info.run_id, "episodes")]
     assert episodes == [f"episodes/iter-{i:06d}.json" for i in range(3)]
+    datasets = {d.dataset.name: d for d in client.get_run(found.info.run_id).inputs.dataset_inputs}
+    assert {"math-train", "math-eval", "trajectories-iter-000002"} <= datasets.keys()
+    assert f"math-tiny/{run}/iter-000002/rollout" in datasets["trajectories-iter-000002"].dataset.source
+    assert (tmp_path / "runs" / "mlartifacts").is_dir() and not (tmp_path / "mlruns").exists()
+    report = tmp_path / "runs" / "math-tiny" / run / "report"
+    figures = {"reward.png", "grad_norms.png", "advantages.png", "lemma.png"}
+    assert figures <= {p.name for p in report.iterdir()} and (report / "_MANIFEST.json").exists()
+    assert all((report / name).read_bytes().startswith(b"\x89PNG") for name in figures)
+    assert figures | {"report.md"} <= {a.path.split("/")[-1] for a in client.list_artifacts(found.info.run_id, "report")}
+    for wg in ("solver", "verifier"):
+        [version] = [v for v in client.search_model_versions(f"name='math-tiny-{wg}'") if v.run_id == found.info.run_id]
+        assert version.source.endswith(f"math-tiny/{run}/iter-000002/policy/{wg}")
 
 
 def test_search_team_end_to_end(tmp_path):

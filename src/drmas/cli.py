@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 import typing
@@ -25,6 +26,9 @@ from drmas.config import ConfigError, DrmasConfig, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers' per-file "Loading weights" bars would bury the per-iteration lines (Ray
+    # workers inherit this too: they start after it is set).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     parser = argparse.ArgumentParser(prog="drmas", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -108,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if summary.before or any(key.startswith("eval/") for key in summary.metrics):
         print(summary_table(summary, config.eval.k))
-    print(f"checkpoint: {summary.checkpoint}\nmlflow: {summary.tracking} (browse with: make ui)")
+    print(f"checkpoint: {summary.checkpoint}\nreport: {summary.report}/report.md\nmlflow: {summary.tracking} (browse with: make ui)")
     return 0
 
 

@@ -329,8 +329,10 @@ class StoreConfig(Section):
 
 
 class TrackingConfig(Section):
-    uri: str = "sqlite:///mlflow.db"
-    """MLflow tracking URI: sqlite:///path.db (embedded) or http(s)://server."""
+    uri: str | None = None
+    """MLflow tracking URI: sqlite:///path.db (embedded) or http(s)://server. Unset: sqlite
+    in the store's folder (``{store.root}/mlflow.db``, artifacts beside it in
+    ``mlartifacts/``), or ``./mlflow.db`` when the store is on S3."""
     experiment: str | None = None
     """MLflow experiment name; unset: experiment.name."""
 

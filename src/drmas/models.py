@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase as Tokenizer
 
 from drmas.config import ModelSpec
 
-__all__ = ["build_scratch_policy", "load_model", "load_tokenizer", "train_tokenizer"]
+__all__ = ["build_scratch_policy", "chat_turn", "load_model", "load_tokenizer", "train_tokenizer"]
 
 END_OF_TEXT = "<|endoftext|>"
 TURN_START = "<|im_start|>"
@@ -30,6 +30,11 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+def chat_turn(user_message: str) -> str:
+    """A user message as CHAT_TEMPLATE renders it with the generation prompt."""
+    return f"{TURN_START}user\n{user_message}{TURN_END}\n{TURN_START}assistant\n"
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:

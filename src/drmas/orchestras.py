@@ -44,7 +44,7 @@ from drmas.config import TaskConfig
 from drmas.episodes import Episode
 from drmas.tasks.math import math_reward
 
-__all__ = ["MathOrchestra", "Orchestra", "SearchOrchestra", "Team", "Tools"]
+__all__ = ["MathOrchestra", "Orchestra", "SearchOrchestra", "SoloOrchestra", "Team", "Tools"]
 
 
 class Team(Protocol):
@@ -110,6 +110,27 @@ class MathOrchestra:
                 break
         for episode in episodes:
             episode.done = True
+
+    def reward(self, episode: Episode) -> float:
+        return math_reward(episode.final_answer, episode.question)
+
+
+class SoloOrchestra:
+    """One Solver call per episode, nothing else: single-agent GRPO on the math task.
+
+    The baseline a multi-agent run is compared with, and the setting in which drmas is
+    benchmarked against single-agent trainers (with ``algorithm.advantage: grpo`` the two
+    advantage modes coincide: one agent has one set of reward statistics).
+    """
+
+    agents = {"solver": SolverAgent}
+
+    def __init__(self, task: TaskConfig, tools: Tools) -> None:
+        self.agent_objects = {"solver": SolverAgent()}
+
+    def run(self, episodes: list[Episode], team: Team) -> None:
+        for episode, solution in zip(episodes, team.call("solver", episodes, step=1), strict=True):
+            episode.final_answer, episode.done = solution.text, True
 
     def reward(self, episode: Episode) -> float:
         return math_reward(episode.final_answer, episode.question)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from drmas.config import DrmasConfig, WorkerGroup
 from drmas.episodes import Episode
-from drmas.models import build_scratch_policy, load_model, load_tokenizer
+from drmas.models import build_scratch_policy, chat_turn, load_model, load_tokenizer
 from drmas.registry import load_orchestra
 from drmas.layout import init_policy_path
 from drmas.store import Store
@@ -78,7 +78,9 @@ def _materialise(group: WorkerGroup, texts: list[str], out_dir: Path, config: Dr
 
 
 def tokenizer_corpus(config: DrmasConfig, limit: int = 2000) -> list[str]:
-    """Text a scratch tokenizer should cover: questions, answers and every agent's prompts."""
+    """Text a scratch tokenizer should cover: questions, answers and every agent's prompts,
+    the prompts in their chat turns (so that the role words become one token each, not
+    seventeen single characters in every prompt)."""
     from drmas.rollout import task_questions  # noqa: PLC0415
 
     questions = (task_questions(config, "train") + task_questions(config, "eval"))[:limit]
@@ -88,7 +90,7 @@ def tokenizer_corpus(config: DrmasConfig, limit: int = 2000) -> list[str]:
     for question in questions:
         episode = Episode(uid="u", traj_uid="t", sample_idx=0, question=question)
         episode.team_context = [f"{name.title()}: " for name in agents]
-        texts += [agent.prompt(episode, 1) for agent in agents.values()]
+        texts += [chat_turn(agent.prompt(episode, 1)) for agent in agents.values()]
         texts += [question.question, *question.answers]
     if config.task.name == "search":
         from drmas.tasks.search import corpus_for  # noqa: PLC0415

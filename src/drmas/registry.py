@@ -13,6 +13,7 @@ from typing import Any
 
 BUILTIN_ORCHESTRAS: dict[str, str] = {
     "math": "drmas.orchestras:MathOrchestra",  # Solver <-> Verifier refinement loop
+    "solo": "drmas.orchestras:SoloOrchestra",  # one Solver call: single-agent GRPO
     "search": "drmas.orchestras:SearchOrchestra",  # Verifier routes to Search or Answer
 }
 

@@ -10,10 +10,14 @@ of the interrupted one that had finished) and lets ``rerun`` recompute a single 
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tqdm.auto import tqdm
 
 from drmas.advantage import advantage
 from drmas.caching import cache_key, is_cached
@@ -22,7 +26,8 @@ from drmas.evaluate import evaluate
 from drmas.config import ConfigError, DrmasConfig
 from drmas.layout import optim_path, policy_path, run_path, stage_path
 from drmas.policies import init_policies
-from drmas.rollout import rollout
+from drmas.report import run_history, write_report
+from drmas.rollout import rollout, task_questions
 from drmas.store import Store
 from drmas.update import update
 from drmas.warmstart import warmstart
@@ -33,7 +38,7 @@ __all__ = ["IterationResult", "RunSummary", "open_run", "rerun", "run_iteration"
 log = logging.getLogger("drmas")
 
 
-@dataclass(frozen=True)
+@dataclass
 class RunSummary:
     run_id: str
     iterations_run: int
@@ -43,6 +48,7 @@ class RunSummary:
     """Evaluation of the starting policies (empty when the run was resumed or has no eval)."""
     tracking: str = ""
     checkpoint: str = ""
+    report: str = ""
 
 
 SAMPLE_CALLS = 16
@@ -142,8 +148,11 @@ def run_iteration(
     experiment = config.experiment.name
     began = time.perf_counter()
     out = IterationResult({}, {}, {}, {}, [])
+    evaluating = bool(config.eval.every) and ((i + 1) % config.eval.every == 0 or i == config.experiment.iterations - 1)
+    bar = tqdm(total=3 + len(policies) + evaluating, desc=f"iter {i}", unit="stage", leave=False, disable=None)
 
     def stage(name: str, path: str, kind: str, inputs: dict[str, str], compute, **values) -> None:
+        bar.set_postfix_str(name)
         key = cache_key(config, kind, store, inputs, **values)
         if name in force or not is_cached(store, path, key):
             out.metrics.update(compute(key).metrics)
@@ -151,6 +160,7 @@ def run_iteration(
         elif "metrics.json" in store.open(path).files:
             out.metrics.update(store.open(path).read_json("metrics.json"))
         out.stages[name] = path
+        bar.update()
 
     policy_inputs = {f"policy/{wg}": ref.artifact for wg, ref in policies.items()}
     stage("rollout", stage_path(experiment, run_id, i, "rollout"), "rollout", policy_inputs,
@@ -169,7 +179,7 @@ def run_iteration(
         out.stages[f"optim/{wg}"] = optim_path(experiment, run_id, i, wg)
         out.policies[wg], out.optims[wg] = PolicyRef(out.stages[f"policy/{wg}"]), PolicyRef(out.stages[f"optim/{wg}"])
     new_policies = {f"policy/{wg}": ref.artifact for wg, ref in out.policies.items()}
-    if config.eval.every and ((i + 1) % config.eval.every == 0 or i == config.experiment.iterations - 1):
+    if evaluating:
         path = stage_path(experiment, run_id, i, "evaluate")
         stage("evaluate", path, "evaluate", new_policies,
               lambda key: evaluate(config, store, path, out.policies, pool(), overwrite=True, cache_key=key))
@@ -177,6 +187,7 @@ def run_iteration(
     optim_inputs = {f"optim/{wg}": ref.artifact for wg, ref in out.optims.items()}
     stage("checkpoint", stage_path(experiment, run_id, i, "checkpoint"), "checkpoint", {**new_policies, **optim_inputs},
           lambda key: checkpoint(config, store, run_id, i, dict(out.metrics), overwrite=True, cache_key=key), iteration=i)
+    bar.close()
     return out
 
 
@@ -195,6 +206,8 @@ def train(config: DrmasConfig, store: Store, run_id: str, cache_dir: Path | None
         return RunSummary(run_id, 0, start.next_iteration - 1, {})
     tracker = Tracker(config, run_id, store.root, config_path)
     log.info("tracking: %s", tracker.url)
+    if start.next_iteration == 0:
+        _log_question_sets(config, tracker)
     initial = starting_policies(config, store, run_id)
     policies = initial if start.next_iteration == 0 else start.policies
     optims = start.optims
@@ -215,15 +228,41 @@ def train(config: DrmasConfig, store: Store, run_id: str, cache_dir: Path | None
                 tracker.log_metrics(metrics, step=i + 1)
                 tracker.log_lineage(i, {name: store.uri(path) for name, path in result.stages.items()})
                 tracker.log_episodes(i, _sample_calls(store, result.stages["rollout"]))
+                rollout_path = result.stages["rollout"]
+                tracker.log_dataset(f"trajectories-iter-{i:06d}", store.uri(rollout_path), store.fingerprint(rollout_path), "rollout")
                 last_checkpoint = store.uri(result.stages["checkpoint"])
                 log.info(_summary_line(i, metrics, config.eval.k))
     except BaseException:
         tracker.finish("KILLED")
         raise
+    summary = RunSummary(run_id, total - start.next_iteration, total - 1, metrics, before, tracker.url, last_checkpoint)
+    summary.report = _report(config, store, run_id, tracker, summary)
+    tracker.register_policies({wg: store.uri(ref.artifact) for wg, ref in policies.items()}, total - 1)
     tracker.finish()
     if tracker.gaps:
         log.warning("tracking: %d MLflow call(s) failed during the run; the store holds every result", tracker.gaps)
-    return RunSummary(run_id, total - start.next_iteration, total - 1, metrics, before, tracker.url, last_checkpoint)
+    return summary
+
+
+def _log_question_sets(config: DrmasConfig, tracker) -> None:
+    """The train and eval question sets as MLflow dataset inputs (source and digest)."""
+    for split, context in (("train", "training"), ("eval", "evaluation")):
+        questions = task_questions(config, split)
+        digest = hashlib.sha256("\n".join(f"{q.qid}\t{q.question}\t{q.answers}" for q in questions).encode()).hexdigest()
+        tracker.log_dataset(f"{config.task.name}-{split}", config.data_spec(split), digest, context, rows=len(questions))
+
+
+def _report(config: DrmasConfig, store: Store, run_id: str, tracker, summary: RunSummary) -> str:
+    """Figures and report.md from the run's stored metrics, into the store and MLflow."""
+    path = f"{run_path(config.experiment.name, run_id)}/report"
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch) / "report"
+        table = summary_table(summary, config.eval.k) if summary.before or any(k.startswith("eval/") for k in summary.metrics) else ""
+        files = write_report(config, run_history(config, store, run_id), folder, table)
+        with store.writer(path, overwrite=True, meta={"stage": "report"}) as out:
+            out.put_dir(folder, "")
+        tracker.log_files(files, "report")
+    return store.uri(path)
 
 
 def summary_table(summary: RunSummary, k: int) -> str:

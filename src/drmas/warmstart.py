@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from drmas.agents import MathVerifierAgent, SolverAgent
 from drmas.config import DrmasConfig
@@ -113,14 +114,14 @@ def warmstart(config: DrmasConfig, store: Store, run_id: str, init: dict[str, Po
         pairs = [pair for agent in group.agents for pair in demos.get(agent, [])]
         with tempfile.TemporaryDirectory() as scratch:
             local = store.open(init[group.name].artifact).download(Path(scratch) / "init", prefix=init[group.name].prefix)
-            metrics = _fine_tune(config, local, pairs, rng, Path(scratch) / "out")
+            metrics = _fine_tune(config, local, pairs, rng, Path(scratch) / "out", label=group.name)
             with store.writer(path, meta={"stage": "warmstart", "wg": group.name}) as out:
                 out.put_dir(Path(scratch) / "out", "")
                 out.write_json("metrics.json", metrics)
     return result
 
 
-def _fine_tune(config: DrmasConfig, folder: Path, pairs: list[tuple[str, str]], rng: np.random.Generator, out: Path) -> dict[str, float]:
+def _fine_tune(config: DrmasConfig, folder: Path, pairs: list[tuple[str, str]], rng: np.random.Generator, out: Path, label: str) -> dict[str, float]:
     """Cross-entropy on response tokens, AdamW with cosine decay, fixed steps."""
     warm = config.warmstart
     tokenizer, model = load_tokenizer(folder), load_model(folder)
@@ -134,7 +135,7 @@ def _fine_tune(config: DrmasConfig, folder: Path, pairs: list[tuple[str, str]], 
     optimizer = torch.optim.AdamW(model.parameters(), lr=warm.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, warm.steps) / warm.steps)))
     started, losses = time.perf_counter(), []
-    for _ in range(warm.steps):
+    for _ in tqdm(range(warm.steps), desc=f"warm start {label}", unit="step", leave=False, disable=None):
         batch = collate([rows[i] for i in rng.integers(0, len(rows), size=warm.batch_size)], tokenizer.pad_token_id)
         logprobs, _ = token_logprobs(model, batch, want_entropy=False)
         loss = -(logprobs * batch.response_mask).sum() / batch.response_mask.sum()
