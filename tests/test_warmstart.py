@@ -39,7 +39,7 @@ def test_demonstrations_are_imperfect_as_configured():
     config = load_config(ROOT / "configs" / "math_tiny.yaml", ["warmstart.wrong_fraction=0.3", "warmstart.verdict_noise=0.1"])
     questions = generate_arithmetic(2000, "train", seed=0)
     demos = math_demonstrations(questions, config, np.random.default_rng(0))
-    by_prompt = {prompt: response for prompt, response in demos["solver"] if "Team so far" not in prompt}
+    by_prompt = {prompt: response for prompt, response in demos["solver"] if prompt.count("Solver:") == 1}
     wrong = sum(
         not answers_match(extract_boxed(response) or "", q.answers[0])
         for q, response in zip(questions, by_prompt.values(), strict=True)

@@ -14,8 +14,9 @@ Write your own by implementing the two methods; an orchestra lists its agents by
         def parse(self, response: str) -> Parsed:
             return Parsed(text=response.strip(), is_valid=bool(response.strip()))
 
-The built-in prompts paraphrase the reference code's (Dr. MAS) in a few lines each, so
-that small models see short prompts.
+The built-in prompts paraphrase the reference code's (Dr. MAS) in a line each: every
+prompt token costs compute in every rollout and update, and the small models that train on
+CPU learn the roles from demonstrations, not from instructions.
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ class SolverAgent:
         context = _context(episode)
         return (
             f"Problem: {episode.question.question}\n"
-            + (f"Team so far:\n{context}\n" if context else "")
-            + "You are the Solver. Solve it step by step and put the final answer in \\boxed{}."
+            + (f"{context}\n" if context else "")
+            + "Solver: solve it step by step, final answer in \\boxed{}."
         )
 
     def parse(self, response: str) -> Parsed:
@@ -113,9 +114,8 @@ class MathVerifierAgent:
     def prompt(self, episode: Episode, step: int) -> str:
         return (
             f"Problem: {episode.question.question}\n"
-            f"Team so far:\n{_context(episode)}\n"
-            "You are the Verifier. Check the latest solution. "
-            "End with <verify>approve</verify> or <verify>reject</verify>."
+            f"{_context(episode)}\n"
+            "Verifier: check the last solution, end with <verify>approve</verify> or <verify>reject</verify>."
         )
 
     def parse(self, response: str) -> Parsed:
