@@ -8,6 +8,16 @@
                                           evaluate a checkpoint (avg@k, pass@k)
     drmas rerun CONFIG --run-id ID --iteration I --stage advantage
                                           recompute one stage from its stored inputs
+    drmas compile CONFIG [a.b=value ...] -o pipeline.yaml [--pipeline train|rl_iteration|evaluate]
+                                          compile the Kubeflow pipeline of this config
+    drmas submit CONFIG [a.b=value ...] --host URL [--experiment NAME] [--run-name NAME]
+                                          compile it and start a run on Kubeflow Pipelines
+    drmas run CONFIG --via kfp-local [--force STAGE]
+                                          run that pipeline with kfp.local on this machine
+
+Pipelines (compile, submit, run --via kfp-local) take --run-id, --start-iteration K (start
+from the checkpoint of iteration K-1), --checkpoint URI and --force STAGE[@I] (recompute
+that stage even where a cached result exists; repeatable).
 """
 
 from __future__ import annotations
@@ -42,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     run_cmd.add_argument("overrides", nargs="*", help="section.field=value overrides")
     run_cmd.add_argument("--run-id", help="name of the run (default: experiment.run_id or a timestamp)")
     run_cmd.add_argument("--resume", metavar="RUN_ID", help="continue this run after its last complete iteration")
+    run_cmd.add_argument(
+        "--via", choices=("embedded", "kfp-local"), default="embedded",
+        help="embedded: the runner in this process (default); kfp-local: the Kubeflow pipeline with kfp.local",
+    )
+    _pipeline_options(run_cmd, run_id=False)
 
     eval_cmd = commands.add_parser("eval", help="evaluate a run's checkpoint on an eval set")
     eval_cmd.add_argument("config", help="YAML config file (its eval section and data.eval are used)")
@@ -56,6 +71,23 @@ def main(argv: list[str] | None = None) -> int:
     rerun_cmd.add_argument("--iteration", type=int, required=True)
     rerun_cmd.add_argument("--stage", required=True, help="rollout, advantage, update (or policy/WG), evaluate or checkpoint")
 
+    compile_cmd = commands.add_parser("compile", help="compile the Kubeflow pipeline of a config to YAML")
+    compile_cmd.add_argument("config", help="YAML config file")
+    compile_cmd.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    compile_cmd.add_argument("-o", "--output", required=True, help="where to write the compiled pipeline (YAML)")
+    _pipeline_options(compile_cmd)
+
+    submit_cmd = commands.add_parser("submit", help="compile the Kubeflow pipeline of a config and start a run")
+    submit_cmd.add_argument("config", help="YAML config file")
+    submit_cmd.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    submit_cmd.add_argument("--host", required=True, help="the Kubeflow Pipelines API, e.g. http://localhost:8080")
+    submit_cmd.add_argument("--experiment", help="KFP experiment (default: experiment.name)")
+    submit_cmd.add_argument("--run-name", help="KFP run name (default: the run id and the pipeline)")
+    submit_cmd.add_argument("--namespace", help="Kubernetes namespace of a multi-user Kubeflow")
+    submit_cmd.add_argument("--service-account", default=None, help="the steps' ServiceAccount (default: drmas-pipeline; '' for the namespace default)")
+    submit_cmd.add_argument("-o", "--output", help="also keep the compiled pipeline here")
+    _pipeline_options(submit_cmd)
+
     args, extra = parser.parse_known_args(argv)
     # Overrides may also follow options (`--resume ID experiment.iterations=4`).
     if any("=" not in item or item.startswith("-") for item in extra) or (extra and not hasattr(args, "overrides")):
@@ -69,6 +101,14 @@ def main(argv: list[str] | None = None) -> int:
             return _eval(args)
         if args.command == "rerun":
             return _rerun(args)
+        if args.command in ("compile", "submit"):
+            return _compile_or_submit(args)
+        if args.via == "kfp-local":
+            return _run_kfp_local(args)
+        if args.force or args.pipeline != "train" or args.start_iteration or args.checkpoint or args.iterations:
+            print("drmas run: --pipeline, --start-iteration, --iterations, --checkpoint and --force need --via kfp-local "
+                  "(the embedded runner resumes with --resume; drmas rerun recomputes a stage)", file=sys.stderr)
+            return 2
         return _run(args)
     except ConfigError as error:
         print(f"drmas: {error}", file=sys.stderr)
@@ -178,6 +218,118 @@ def _eval(args: argparse.Namespace) -> int:
     print(f"{store.uri(path)}")
     for key in sorted(metrics):
         print(f"{key} {metrics[key]:.4f}")
+    return 0
+
+
+def _pipeline_options(command: argparse.ArgumentParser, run_id: bool = True) -> None:
+    """The options shared by compile, submit and run --via kfp-local."""
+    command.add_argument(
+        "--pipeline", choices=("train", "rl_iteration", "evaluate"), default="train",
+        help="train: warm start then every iteration (default); rl_iteration: one iteration; evaluate: a checkpoint",
+    )
+    if run_id:
+        command.add_argument("--run-id", help="the drmas run (store folder; default: experiment.run_id or a timestamp)")
+    command.add_argument(
+        "--start-iteration", type=int, default=0, metavar="K",
+        help="train: start at iteration K from the checkpoint of K-1; rl_iteration: the iteration to run",
+    )
+    command.add_argument(
+        "--iterations", type=int, metavar="N",
+        help="train: at most N iterations from the start (default: up to experiment.iterations); "
+        "split long runs: KFP keeps a run's whole spec, about 37 KiB per iteration",
+    )
+    command.add_argument(
+        "--checkpoint", metavar="URI",
+        help="store URI of the checkpoint to start from (default: the run's checkpoint of K-1) or, "
+        "for --pipeline evaluate, to evaluate (default: the run's last)",
+    )
+    command.add_argument(
+        "--force", action="append", default=[], metavar="STAGE[@I]",
+        help="recompute this stage (warmstart, rollout, advantage, update, update/WG, checkpoint, evaluate), "
+        "in every iteration or in iteration I only, even where a cached result exists; repeatable",
+    )
+
+
+def _build_pipeline(args: argparse.Namespace, config: DrmasConfig, run_id: str):
+    """The pipeline named by --pipeline, and its arguments; None after printing a problem."""
+    try:
+        from pipelines.build import build_pipeline  # noqa: PLC0415 - kfp only for these commands
+    except ImportError as error:
+        print(f"drmas {args.command}: the Kubeflow pipelines are not installed here ({error}); "
+              "install drmas from its repository (pip install -e .)", file=sys.stderr)
+        return None
+    try:
+        return build_pipeline(args.pipeline, config, run_id, args.start_iteration, args.checkpoint, args.force, args.iterations)
+    except ValueError as error:
+        print(f"drmas {args.command}: {error}", file=sys.stderr)
+        return None
+
+
+LARGE_PIPELINE = 1 << 20
+"""Compiled pipelines above this size get a warning at submission (see --iterations)."""
+
+
+def _compile_or_submit(args: argparse.Namespace) -> int:
+    import tempfile  # noqa: PLC0415
+
+    config = load_config(args.config, args.overrides)
+    run_id = args.run_id or config.experiment.run_id or time.strftime("%Y%m%d-%H%M%S")
+    built = _build_pipeline(args, config, run_id)
+    if built is None:
+        return 2
+    func, arguments = built
+    from pipelines.build import compile_pipeline  # noqa: PLC0415
+
+    what = f"{args.pipeline} pipeline {func.name}"
+    if args.command == "compile":
+        path = compile_pipeline(func, args.output)
+        print(f"compiled the {what} to {path}")
+        print(f"parameters: {', '.join(f'{k}={v}' for k, v in arguments.items() if k != 'config_json')} (and config_json)")
+        return 0
+    from pipelines.submit import SERVICE_ACCOUNT, submit  # noqa: PLC0415
+
+    if not config.store.root.startswith("s3://"):
+        print(f"drmas submit: warning: store.root is {config.store.root!r}, a local folder; the pipeline's pods "
+              "see it only if it is a volume mounted there (use s3://bucket/prefix)", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as scratch:
+        path = compile_pipeline(func, args.output or Path(scratch) / "pipeline.yaml")
+        if path.stat().st_size > LARGE_PIPELINE:
+            print(f"drmas submit: warning: the compiled pipeline is {path.stat().st_size >> 20} MiB; KFP keeps a run's whole "
+                  "spec (its database, the Argo workflow in etcd: 1.5 MiB): submit it in parts with "
+                  "--iterations N and --start-iteration K", file=sys.stderr)
+        name = args.run_name or f"{run_id} {args.pipeline}" + (f" (force {', '.join(args.force)})" if args.force else "")
+        account = SERVICE_ACCOUNT if args.service_account is None else args.service_account
+        try:
+            kfp_run, url = submit(path, args.host, arguments, args.experiment or config.experiment.name, name, args.namespace, account)
+        except Exception as error:  # noqa: BLE001 - the client raises many kinds; say which host failed
+            print(f"drmas submit: could not start the run on {args.host}: {type(error).__name__}: {error}", file=sys.stderr)
+            return 1
+    print(f"submitted the {what} as KFP run {kfp_run} (drmas run {run_id}): {url}")
+    return 0
+
+
+def _run_kfp_local(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    config = load_config(args.config, args.overrides)
+    run_id = args.resume or args.run_id or config.experiment.run_id or time.strftime("%Y%m%d-%H%M%S")
+    _print_worker_groups(config)
+    built = _build_pipeline(args, config, run_id)
+    if built is None:
+        return 2
+    func, arguments = built
+    from pipelines.local import DEFAULT_ROOT, run_local  # noqa: PLC0415
+
+    print(f"run {run_id}: the {args.pipeline} pipeline {func.name} with kfp.local (outputs and cache in {DEFAULT_ROOT})")
+    try:
+        output = run_local(func, arguments, DEFAULT_ROOT)
+    except RuntimeError as error:
+        print(f"drmas run: the pipeline failed: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"drmas run: interrupted; run the same command again to continue run {run_id} (finished tasks are cached)", file=sys.stderr)
+        return 130
+    where = output.metadata.get("store_uri", output.uri) if output is not None else ""
+    print(f"{'results' if args.pipeline == 'evaluate' else 'checkpoint'}: {where}")
     return 0
 
 

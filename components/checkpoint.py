@@ -1,0 +1,84 @@
+"""Checkpoint: commit an iteration once every worker group's update is in the store."""
+
+from kfp import dsl
+from kfp.dsl import Input, Metrics, Model, Output
+
+from components.images import CPU_IMAGE
+
+MAX_WORKER_GROUPS = 8
+"""Update slots of the checkpoint component (``update_0`` ... ``update_7``): a KFP
+component has a fixed signature, and fanning in with ``dsl.Collected`` would need a
+``ParallelFor``, which kfp.local 2.17.3 gets wrong; the pipelines fill one slot per worker
+group and refuse configs with more groups."""
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def checkpoint(
+    config_json: str,
+    run_id: str,
+    iteration: int,
+    checkpoint: Output[Model],
+    metrics: Output[Metrics],
+    update_0: Input[Model] = None,
+    update_1: Input[Model] = None,
+    update_2: Input[Model] = None,
+    update_3: Input[Model] = None,
+    update_4: Input[Model] = None,
+    update_5: Input[Model] = None,
+    update_6: Input[Model] = None,
+    update_7: Input[Model] = None,
+    force: bool = False,
+):
+    """Write ``iter-{i}/checkpoint`` naming every worker group's new policy and optimizer
+    state (one ``update_k`` per worker group) with the iteration's metrics; the output is
+    the policy set the next iteration starts from."""
+    import json
+    import math
+
+    from drmas.caching import cache_key, is_cached
+    from drmas.checkpoint import checkpoint as checkpoint_stage
+    from drmas.config import DrmasConfig
+    from drmas.layout import optim_path, policy_path, stage_path
+    from drmas.store import Store, iteration_path
+
+    config = DrmasConfig.from_json(config_json)
+    store = Store.from_config(config.store)
+    experiment = config.experiment.name
+    updates = [u for u in (update_0, update_1, update_2, update_3, update_4, update_5, update_6, update_7) if u is not None]
+    given = {u.metadata["wg"]: u.metadata["artifact"] for u in updates}
+    groups = [group.name for group in config.worker_groups()]
+    expected = {wg: policy_path(experiment, run_id, iteration, wg) for wg in groups}
+    if given != expected:
+        raise ValueError(f"the checkpoint of iteration {iteration} needs the updates {expected}, got {given}")
+    inputs = {f"policy/{wg}": expected[wg] for wg in groups} | {f"optim/{wg}": optim_path(experiment, run_id, iteration, wg) for wg in groups}
+    path = stage_path(experiment, run_id, iteration, "checkpoint")
+    key = cache_key(config, "checkpoint", store, inputs, iteration=iteration)
+    reused = not force and is_cached(store, path, key)
+    if not reused:
+        values = {}
+        for source in [stage_path(experiment, run_id, iteration, "rollout"), stage_path(experiment, run_id, iteration, "advantage"), *expected.values()]:
+            values |= store.open(source).read_json("metrics.json")
+        checkpoint_stage(config, store, run_id, iteration, values, overwrite=True, cache_key=key)
+    print(f"drmas: checkpoint iter {iteration} {'reused' if reused else 'computed'} {store.uri(path)}", flush=True)
+
+    values = store.open(path).read_json("metrics.json")
+    checkpoint.metadata.update(
+        {
+            "store_uri": store.uri(path),
+            "artifact": path,
+            "fingerprint": store.fingerprint(path, ignore=("metrics.json",)),
+            "iteration": iteration,
+            "home": iteration_path(experiment, run_id, iteration),
+            "policies": {wg: {"artifact": expected[wg], "prefix": ""} for wg in groups},
+            "optims": {wg: {"artifact": optim_path(experiment, run_id, iteration, wg), "prefix": ""} for wg in groups},
+            "policy_uris": {wg: store.uri(expected[wg]) for wg in groups},
+        }
+    )
+    with open(checkpoint.path, "w") as handle:
+        json.dump(checkpoint.metadata, handle, indent=2)
+    # KFP metadata cannot hold NaN or infinity (e.g. a statistic of a one-row group).
+    for name, value in values.items():
+        if math.isfinite(value):
+            metrics.log_metric(name, float(value))
+    with open(metrics.path, "w") as handle:
+        json.dump({name: value if math.isfinite(value) else str(value) for name, value in values.items()}, handle, indent=2)

@@ -1,0 +1,71 @@
+"""Load a checkpoint imported by URI (``dsl.importer``) as a policy set."""
+
+from kfp import dsl
+from kfp.dsl import Input, Model, Output
+
+from components.images import CPU_IMAGE
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def load_checkpoint(
+    config_json: str,
+    checkpoint: Input[Model],
+    policies: Output[Model],
+    run_id: str = "",
+    next_iteration: int = -1,
+):
+    """The policy set recorded by ``checkpoint`` (an ``iter-{i}/checkpoint`` artifact of
+    the store, typically imported by its URI), after checking that every policy and
+    optimizer state it names is intact (as resuming does).
+
+    ``next_iteration`` >= 0 requires the checkpoint to be of the iteration before it.
+    A ``run_id`` records the run's config in the store (or checks it against the recorded
+    one, as ``drmas run --resume`` does) for the run that continues from here.
+    """
+    import json
+
+    from drmas.config import DrmasConfig
+    from drmas.layout import run_path
+    from drmas.runner import open_run
+    from drmas.store import MANIFEST, CorruptArtifact, Store
+
+    config = DrmasConfig.from_json(config_json)
+    store = Store.from_config(config.store)
+    path = checkpoint.metadata.get("artifact")
+    if not path:
+        uri = checkpoint.uri.rstrip("/")
+        if not uri.startswith(store.root + "/"):
+            raise ValueError(f"checkpoint {uri} is not in the store of this config ({store.root})")
+        path = uri[len(store.root) + 1 :]
+    record = store.open(path).read_json("checkpoint.json")
+    if next_iteration >= 0 and record["iteration"] != next_iteration - 1:
+        raise ValueError(
+            f"{store.uri(path)} is the checkpoint of iteration {record['iteration']}; iteration {next_iteration} "
+            f"continues from iteration {next_iteration - 1} (compile with --start-iteration {record['iteration'] + 1})"
+        )
+    groups = [group.name for group in config.worker_groups()]
+    for wg in groups:
+        entry = record["worker_groups"].get(wg)
+        if entry is None:
+            raise CorruptArtifact(f"{store.uri(path)} has no worker group {wg!r} (config changed?)")
+        for kind in ("policy", "optim"):
+            if store.fingerprint(entry[kind]) != entry[f"{kind}_manifest"]:
+                raise CorruptArtifact(f"{store.uri(entry[kind], MANIFEST)}: differs from what {store.uri(path)} recorded")
+    if run_id:
+        open_run(config, store, run_id, resume=store.exists(f"{run_path(config.experiment.name, run_id)}/run"))
+    print(f"drmas: load_checkpoint iter {record['iteration']} {store.uri(path)}", flush=True)
+
+    policies.metadata.update(
+        {
+            "store_uri": store.uri(path),
+            "artifact": path,
+            "fingerprint": store.fingerprint(path, ignore=("metrics.json",)),
+            "iteration": record["iteration"],
+            "home": path.rsplit("/", 1)[0],
+            "policies": {wg: {"artifact": record["worker_groups"][wg]["policy"], "prefix": ""} for wg in groups},
+            "optims": {wg: {"artifact": record["worker_groups"][wg]["optim"], "prefix": ""} for wg in groups},
+            "policy_uris": {wg: store.uri(record["worker_groups"][wg]["policy"]) for wg in groups},
+        }
+    )
+    with open(policies.path, "w") as handle:
+        json.dump(policies.metadata, handle, indent=2)

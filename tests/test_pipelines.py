@@ -1,0 +1,384 @@
+"""The Kubeflow pipelines: compiled from configs, placed on Kubernetes, run with kfp.local
+(every stage, then a rerun that recomputes one forced stage and nothing else), and
+submitted through kfp.Client to a stand-in of the KFP API server."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+import yaml
+
+import components
+import drmas
+from drmas.cli import main
+from drmas.config import load_config
+from pipelines.build import build_pipeline, compile_pipeline, parse_force
+from pipelines.platform import S3_SECRET
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_STAGES = {"warmstart", "rollout", "update", "evaluate"}
+# (config, overrides): CPU tiny configs, a single shared worker group, and the GPU recipe
+# whose rollout joins a KubeRay cluster (ray.address).
+CONFIGS = {
+    "math_tiny": ("math_tiny.yaml", ["experiment.iterations=3", "eval.every=2"]),
+    "search_tiny": ("search_tiny.yaml", ["experiment.iterations=3", "eval.every=0"]),
+    "math_gpu": ("math_qwen3_4b_gpu.yaml", ["experiment.iterations=3"]),
+}
+
+
+def config_of(name: str, *extra: str):
+    file, overrides = CONFIGS[name]
+    return load_config(ROOT / "configs" / file, [*overrides, *extra])
+
+
+def compiled(tmp_path: Path, kind: str, config, start: int = 0, force=(), iterations=None) -> tuple[dict, dict]:
+    func, _ = build_pipeline(kind, config, "run-1", start, force=force, iterations=iterations)
+    path = compile_pipeline(func, tmp_path / f"{kind}-{start}.yaml")
+    spec, platform = yaml.safe_load_all(path.read_text())
+    return spec, platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+
+
+def stage_of(task: dict) -> str:
+    """comp-update-3 -> update, comp-load-checkpoint -> load_checkpoint."""
+    return re.sub(r"-\d+$", "", task["componentRef"]["name"].removeprefix("comp-")).replace("-", "_")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("kind,start", [("train", 0), ("train", 2), ("rl_iteration", 0), ("rl_iteration", 1), ("evaluate", 0)])
+def test_every_pipeline_compiles_loads_back_and_pins_the_images(tmp_path, name, kind, start):
+    from kfp.components import load_component_from_file
+
+    config = config_of(name)
+    func, arguments = build_pipeline(kind, config, "run-1", start)
+    path = compile_pipeline(func, tmp_path / "pipeline.yaml")
+    loaded = load_component_from_file(str(path))
+    assert loaded.name == f"drmas-{kind.replace('_', '-')}-{config.experiment.name}"
+    assert set(loaded.component_spec.inputs) == set(arguments)
+    assert json.loads(loaded.component_spec.inputs["config_json"].default) == json.loads(config.to_json())
+    spec, platform = yaml.safe_load_all(path.read_text())
+    images = {executor["container"]["image"] for executor in spec["deploymentSpec"]["executors"].values() if "container" in executor}
+    assert images <= {components.CPU_IMAGE, components.GPU_IMAGE} and components.CPU_IMAGE in images
+    assert all(image.endswith(f":{drmas.__version__}") for image in images)
+    tasks = spec["root"]["dag"]["tasks"]
+    groups = len(config.worker_groups())
+    if kind == "evaluate":
+        assert {stage_of(t) for t in tasks.values()} == {"importer", "load_checkpoint", "evaluate"}
+        return
+    first, last = start, (config.experiment.iterations if kind == "train" else start + 1)
+    counted = {stage: sum(stage_of(t) == stage for t in tasks.values()) for stage in ("rollout", "advantage", "update", "checkpoint", "evaluate")}
+    due = sum(bool(config.eval.every) and ((i + 1) % config.eval.every == 0 or i == config.experiment.iterations - 1) for i in range(first, last))
+    before = int(kind == "train" and start == 0 and bool(config.eval.every))
+    assert counted == {"rollout": last - first, "advantage": last - first, "update": groups * (last - first), "checkpoint": last - first, "evaluate": due + before}
+    assert sum(stage_of(t) == "importer" for t in tasks.values()) == int(start > 0)
+    assert sum(stage_of(t) == "warmstart" for t in tasks.values()) == int(start == 0)
+    # The iterations are chained: each rollout reads the previous iteration's checkpoint.
+    for task in tasks.values():
+        if stage_of(task) == "rollout" and task["inputs"]["parameters"]["iteration"]["runtimeValue"]["constant"] > start:
+            assert task["inputs"]["artifacts"]["policies"]["taskOutputArtifact"]["outputArtifactKey"] == "checkpoint"
+
+
+def test_each_stage_is_placed_and_gets_the_s3_secret(tmp_path):
+    """Every task's executor names its image, resources, node selector, tolerations and the
+    S3 credentials from the drmas-s3 secret; GPU stages ask for a GPU on GPU nodes unless
+    they only drive a KubeRay cluster (rollout and evaluate with ray.address)."""
+    for name in ("math_tiny", "math_gpu"):
+        config = config_of(name)
+        spec, executors = compiled(tmp_path, "train", config)
+        for task_name, task in spec["root"]["dag"]["tasks"].items():
+            stage = stage_of(task)
+            label = task["componentRef"]["name"].replace("comp-", "exec-")
+            container = spec["deploymentSpec"]["executors"][label]["container"]
+            k8s = executors[label]
+            assert container["image"] == (components.GPU_IMAGE if stage in GPU_STAGES else components.CPU_IMAGE), task_name
+            secret_keys = {(s["secretName"], e["secretKey"], e["envVar"], s["optional"]) for s in k8s["secretAsEnv"] for e in s["keyToEnv"]}
+            assert {(S3_SECRET, key, key, False) for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")} <= secret_keys
+            assert (S3_SECRET, "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL", True) in secret_keys
+            assert "resourceCpuRequest" in container["resources"] and "resourceMemoryLimit" in container["resources"]
+            assert k8s["nodeSelector"]["labels"]["kubernetes.io/arch"] == "amd64"
+            on_gpu = stage in {"warmstart", "update"} or (stage in {"rollout", "evaluate"} and not config.ray.address)
+            accelerator = container["resources"].get("accelerator")
+            if on_gpu:
+                count = config.ray.pool_size if stage in {"rollout", "evaluate"} else 1
+                assert accelerator == {"resourceType": "nvidia.com/gpu", "resourceCount": str(count), "type": "nvidia.com/gpu", "count": str(count)}, task_name
+                assert k8s["nodeSelector"]["labels"]["nvidia.com/gpu.present"] == "true"
+                assert k8s["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+            else:
+                assert accelerator is None and "tolerations" not in k8s, task_name
+                assert "nvidia.com/gpu.present" not in k8s["nodeSelector"]["labels"]
+    # No credentials anywhere in the compiled pipeline's parameters.
+    assert "AWS_SECRET_ACCESS_KEY" not in json.dumps(spec["root"]["inputDefinitions"])
+
+
+def test_force_turns_off_caching_for_the_named_tasks_only(tmp_path):
+    config = config_of("math_tiny")
+    spec, _ = compiled(tmp_path, "train", config, force=["advantage@1", "update/verifier", "evaluate@-1"])
+    forced = set()
+    for task in spec["root"]["dag"]["tasks"].values():
+        force = task["inputs"]["parameters"]["force"]["runtimeValue"]["constant"]
+        assert task.get("cachingOptions", {}).get("enableCache", False) is (not force)
+        if force:
+            forced.add(task["taskInfo"]["name"])
+    assert forced == {"advantage 1", "update verifier 0", "update verifier 1", "update verifier 2", "evaluate before training"}
+
+
+def test_force_names_are_checked():
+    config = config_of("math_tiny")
+    assert parse_force(["policy/solver@2"], config)("update", 2, "solver")
+    assert not parse_force(["policy/solver@2"], config)("update", 2, "verifier")
+    for bad, message in [("advantag", "unknown stage"), ("update/critic", "no worker group 'critic'"),
+                         ("rollout/solver", "only update takes"), ("rollout@x", "not an iteration")]:
+        with pytest.raises(ValueError, match=message):
+            parse_force([bad], config)
+
+
+def test_a_long_run_compiles_in_parts(tmp_path):
+    """--iterations splits a long run: a part starts from the checkpoint before it."""
+    config = config_of("math_gpu", "experiment.iterations=200")
+    func, arguments = build_pipeline("train", config, "run-1", 40, iterations=10)
+    assert arguments["start_checkpoint"] == "s3://drmas/runs/math-qwen3-4b/run-1/iter-000039/checkpoint"
+    spec, _ = compiled(tmp_path, "train", config, start=40, iterations=10)
+    iterations = sorted(t["inputs"]["parameters"]["iteration"]["runtimeValue"]["constant"]
+                        for t in spec["root"]["dag"]["tasks"].values() if stage_of(t) == "rollout")
+    assert iterations == list(range(40, 50))
+
+
+def test_cli_compile_writes_the_pipeline_and_refuses_pipeline_options_without_kfp_local(tmp_path, capsys):
+    out = tmp_path / "pipeline.yaml"
+    code = main(["compile", str(ROOT / "configs" / "math_tiny.yaml"), "experiment.iterations=2", "-o", str(out),
+                 "--pipeline", "rl_iteration", "--start-iteration", "1", "--run-id", "r7", "--force", "update"])
+    assert code == 0, capsys.readouterr().err
+    assert f"to {out}" in capsys.readouterr().out
+    spec = next(yaml.safe_load_all(out.read_text()))
+    assert spec["pipelineInfo"]["name"] == "drmas-rl-iteration-math-tiny"
+    assert spec["root"]["inputDefinitions"]["parameters"]["run_id"]["defaultValue"] == "r7"
+    assert spec["root"]["inputDefinitions"]["parameters"]["start_checkpoint"]["defaultValue"].endswith("math-tiny/r7/iter-000000/checkpoint")
+    assert main(["compile", str(ROOT / "configs" / "math_tiny.yaml"), "-o", str(out), "--force", "nonsense"]) == 2
+    assert "unknown stage 'nonsense'" in capsys.readouterr().err
+    assert main(["run", str(ROOT / "configs" / "math_tiny.yaml"), "--force", "advantage"]) == 2
+    assert "need --via kfp-local" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------
+# kfp.local: the whole iteration, then a rerun of one stage
+# --------------------------------------------------------------------------------------
+
+SMALL = [
+    "experiment.iterations=1",
+    "rollout.prompts_per_iteration=3",
+    "rollout.group_size=2",
+    "rollout.sampling.max_new_tokens=10",
+    "data.generated_train_size=40",
+    "data.generated_eval_size=10",
+    "models.tiny.hidden_size=32",
+    "models.tiny.intermediate_size=64",
+    "models.tiny.num_layers=1",
+    "ray.max_resident=2",
+    "train.lr=0.001",
+    "warmstart.steps=5",
+    "eval.every=1",
+    "eval.max_questions=2",
+    "eval.k=2",
+]
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def kfp_local(tmp_path: Path, *args: str) -> tuple[str, dict[str, str]]:
+    """`drmas run --via kfp-local` of rl_iteration in tmp_path (kfp.local's root and cache in
+    tmp_path/.cache); returns its output and, per KFP task, 'executed' or 'cache hit'."""
+    command = [str(Path(sys.executable).parent / "drmas"), "run", str(ROOT / "configs" / "math_tiny.yaml"), *SMALL,
+               f"store.root={tmp_path / 'runs'}", "--via", "kfp-local", "--pipeline", "rl_iteration", "--run-id", "k", *args]
+    done = subprocess.run(command, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+    output = ANSI.sub("", done.stdout + done.stderr)
+    assert done.returncode == 0, output[-6000:]
+    tasks = {name: "executed" for name in re.findall(r"Executing task '([\w-]+)'", output)}
+    tasks |= {name: "cache hit" for name in re.findall(r"Task ([\w-]+) cache hit", output)}
+    return output, tasks
+
+
+def stage_lines(output: str) -> dict[str, str]:
+    """What each component said it did with its stage output: 'computed' or 'reused'."""
+    return dict(re.findall(r"drmas: (\S+(?: iter -?\d+)?) (computed|reused) ", output))
+
+
+def manifests(root: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns) for p in root.rglob("_MANIFEST.json")}
+
+
+@pytest.mark.slow
+def test_kfp_local_runs_every_stage_then_recomputes_only_the_forced_one(tmp_path):
+    """One RL iteration with kfp.local executes every stage and leaves every stage's
+    artifact in the store. A rerun with --force advantage executes the advantage again;
+    the tasks before it are kfp.local cache hits. The tasks after it are re-executed by KFP
+    (their input is a new artifact: KFP's cache keys on artifact identity, kfp.local on its
+    URI) but find their outputs in the store with the same drmas cache key (the recomputed
+    batch is byte-identical), so they reuse them: no store artifact but the advantage's
+    changes. A third, plain run is all cache hits."""
+    started = time.monotonic()
+    output, tasks = kfp_local(tmp_path)
+    first_run = time.monotonic() - started
+    assert set(tasks.values()) == {"executed"}
+    assert set(tasks) == {"warmstart", "rollout", "advantage", "update", "update-2", "checkpoint", "evaluate"}
+    assert set(stage_lines(output).values()) == {"computed"}
+    run = tmp_path / "runs" / "math-tiny" / "k"
+    for stage in ("run", "init/policy/solver", "warmstart/policy/verifier", "iter-000000/rollout", "iter-000000/advantage",
+                  "iter-000000/policy/solver", "iter-000000/policy/verifier", "iter-000000/optim/solver",
+                  "iter-000000/optim/verifier", "iter-000000/checkpoint", "iter-000000/evaluate"):
+        assert (run / stage / "_MANIFEST.json").is_file(), stage
+    assert (run / "iter-000000" / "rollout" / "trajectories.parquet").is_file()
+    assert (run / "iter-000000" / "evaluate" / "eval.parquet").is_file()
+    assert f"checkpoint: {run / 'iter-000000' / 'checkpoint'}" in output
+    # The KFP artifacts are pointers to the store; their metrics files exist (cacheable).
+    [pointer] = (tmp_path / ".cache" / "kfp-local").glob("drmas-rl-iteration-math-tiny-*/advantage/batch")
+    assert json.loads(pointer.read_text())["store_uri"] == str(run / "iter-000000" / "advantage")
+    assert json.loads(next((tmp_path / ".cache" / "kfp-local").glob("*/advantage/metrics")).read_text())["batch/rows"] > 0
+
+    before = manifests(run)
+    batch = (run / "iter-000000" / "advantage" / "batch.parquet").read_bytes()
+    started = time.monotonic()
+    output, tasks = kfp_local(tmp_path, "--force", "advantage")
+    forced_run = time.monotonic() - started
+    assert tasks == {"warmstart": "cache hit", "rollout": "cache hit", "advantage": "executed", "update": "executed",
+                     "update-2": "executed", "checkpoint": "executed", "evaluate": "executed"}
+    assert stage_lines(output) == {"advantage iter 0": "computed", "policy/solver iter 0": "reused", "policy/verifier iter 0": "reused",
+                                   "checkpoint iter 0": "reused", "evaluate iter 0": "reused"}
+    after = manifests(run)
+    assert after.keys() == before.keys()
+    assert [name for name in after if after[name] != before[name]] == ["iter-000000/advantage/_MANIFEST.json"]
+    assert (run / "iter-000000" / "advantage" / "batch.parquet").read_bytes() == batch
+
+    output, tasks = kfp_local(tmp_path)
+    assert set(tasks.values()) == {"cache hit"} and len(tasks) == 7
+    assert manifests(run) == after
+    print(f"kfp.local: first run {first_run:.0f} s, forced rerun {forced_run:.0f} s")
+
+
+# --------------------------------------------------------------------------------------
+# Submission: kfp.Client against a stand-in of the KFP API server
+# --------------------------------------------------------------------------------------
+
+
+class StubKfpApi:
+    """The four REST calls kfp.Client 2.17.3 makes to create a run: GET healthz, list
+    experiments by name (filter), POST an experiment when there is none, POST the run.
+    Anything else is answered 404 and recorded as unexpected."""
+
+    def __init__(self) -> None:
+        self.experiments: dict[str, dict] = {}
+        self.runs: list[dict] = []
+        self.calls: list[str] = []
+        self.unexpected: list[str] = []
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def reply(self, body: dict, status: int = 200) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                url = urlparse(self.path)
+                stub.calls.append(f"GET {url.path}")
+                if url.path == "/apis/v2beta1/healthz":
+                    return self.reply({"commit_sha": "stub", "tag_name": "2.5.0", "multi_user": False})
+                if url.path == "/apis/v2beta1/experiments":
+                    wanted = {p["stringValue"] for p in json.loads(parse_qs(url.query)["filter"][0])["predicates"] if p["key"] == "display_name"}
+                    found = [e for e in stub.experiments.values() if e["display_name"] in wanted]
+                    return self.reply({"experiments": found, "total_size": len(found)} if found else {})
+                stub.unexpected.append(f"GET {self.path}")
+                return self.reply({"error": "not found"}, 404)
+
+            def do_POST(self) -> None:
+                url = urlparse(self.path)
+                stub.calls.append(f"POST {url.path}")
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if url.path == "/apis/v2beta1/experiments":
+                    experiment = {**body, "experiment_id": f"exp-{len(stub.experiments) + 1}"}
+                    stub.experiments[experiment["experiment_id"]] = experiment
+                    return self.reply(experiment)
+                if url.path == "/apis/v2beta1/runs":
+                    stub.runs.append(body)
+                    return self.reply({**body, "run_id": f"kfp-run-{len(stub.runs)}", "state": "PENDING"})
+                stub.unexpected.append(f"POST {self.path}")
+                return self.reply({"error": "not found"}, 404)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.host = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "StubKfpApi":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_submit_posts_the_compiled_pipeline_with_its_parameters(tmp_path, capsys, monkeypatch):
+    """`drmas submit` compiles the pipeline and creates a run through kfp.Client. A real
+    Kubeflow Pipelines API server is the one boundary that cannot run on these machines
+    (it needs Kubernetes); this stub stands in for it, implementing exactly the REST calls
+    kfp.Client makes, and records what was posted: the test checks that it is our compiled
+    pipeline (name, images, placement, per-task caching) with the run's parameters."""
+    import kfp
+
+    monkeypatch.setattr(kfp.Client, "_LOCAL_KFP_CONTEXT", str(tmp_path / "kfp-context.json"))  # no user settings
+    config_file = str(ROOT / "configs" / "math_qwen3_4b_gpu.yaml")
+    config = load_config(config_file, ["experiment.iterations=2"])
+    with StubKfpApi() as api:
+        code = main(["submit", config_file, "experiment.iterations=2", "--host", api.host, "--run-id", "r1",
+                     "--run-name", "first", "-o", str(tmp_path / "submitted.yaml")])
+        assert code == 0, capsys.readouterr().err
+        assert "as KFP run kfp-run-1 (drmas run r1)" in capsys.readouterr().out
+        code = main(["submit", config_file, "experiment.iterations=2", "--host", api.host, "--run-id", "r1",
+                     "--experiment", "math-qwen3-4b", "--force", "advantage@1"])
+        assert code == 0, capsys.readouterr().err
+    assert api.unexpected == []
+    assert api.calls == [
+        "GET /apis/v2beta1/healthz", "GET /apis/v2beta1/experiments", "POST /apis/v2beta1/experiments", "POST /apis/v2beta1/runs",
+        "GET /apis/v2beta1/healthz", "GET /apis/v2beta1/experiments", "POST /apis/v2beta1/runs",  # the experiment exists now
+    ]
+    [experiment] = api.experiments.values()
+    assert experiment["display_name"] == "math-qwen3-4b"
+    first, second = api.runs
+    assert first["display_name"] == "first" and first["experiment_id"] == experiment["experiment_id"] == second["experiment_id"]
+    assert first["service_account"] == "drmas-pipeline"
+    assert first["runtime_config"]["parameters"] == {"config_json": config.to_json(), "run_id": "r1"}
+    pipeline, platform = first["pipeline_spec"]["pipeline_spec"], first["pipeline_spec"]["platform_spec"]
+    on_disk, _ = yaml.safe_load_all((tmp_path / "submitted.yaml").read_text())
+    assert pipeline == json.loads(json.dumps(on_disk)), "the posted spec is the compiled pipeline"
+    assert pipeline["pipelineInfo"]["name"] == "drmas-train-math-qwen3-4b"
+    images = {e["container"]["image"] for e in pipeline["deploymentSpec"]["executors"].values()}
+    assert images == {components.CPU_IMAGE, components.GPU_IMAGE}
+    assert all(any(s["secretName"] == S3_SECRET for s in e["secretAsEnv"]) for e in platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"].values())
+    caching = {t["taskInfo"]["name"]: t.get("cachingOptions", {}).get("enableCache", False) for t in second["pipeline_spec"]["pipeline_spec"]["root"]["dag"]["tasks"].values()}
+    assert [name for name, enabled in caching.items() if not enabled] == ["advantage 1"]
+    assert second["display_name"] == "r1 train (force advantage@1)"
+
+
+def test_submit_reports_an_unreachable_server(tmp_path, capsys, monkeypatch):
+    import kfp
+
+    monkeypatch.setattr(kfp.Client, "_LOCAL_KFP_CONTEXT", str(tmp_path / "kfp-context.json"))
+    with StubKfpApi() as api:
+        host = api.host
+    monkeypatch.setattr("kfp.client.client.time.sleep", lambda seconds: None)  # kfp.Client retries healthz 5 times
+    code = main(["submit", str(ROOT / "configs" / "math_tiny.yaml"), "--host", host, "--run-id", "r1"])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert f"could not start the run on {host}" in captured.err
+    assert "store.root is './runs', a local folder" in captured.err
