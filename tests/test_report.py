@@ -33,9 +33,12 @@ def test_history_reads_the_evaluation_before_training_and_every_checkpoint(tmp_p
     for i in range(3):  # iterations 0..2 checkpointed; 3 and 4 never ran
         with store.writer(stage_path("math-tiny", "r", i, "checkpoint")) as out:
             out.write_json("metrics.json", _metrics(i))
+    with store.writer(stage_path("math-tiny", "r", 1, "evaluate")) as out:  # as a Kubeflow run leaves it
+        out.write_json("metrics.json", {"eval/avg_at_4": 0.5})
     history = run_history(config, store, "r")
     assert [step for step, _ in history] == [0, 1, 2, 3]
     assert history[0][1] == {"eval/avg_at_4": 0.25} and history[3][1]["reward/mean"] == 0.2
+    assert history[2][1]["eval/avg_at_4"] == 0.5 and "eval/avg_at_4" not in history[1][1]
 
 
 def test_report_draws_what_the_metrics_hold(tmp_path):

@@ -32,7 +32,7 @@ History = list[tuple[int, dict[str, float]]]
 
 def run_history(config: DrmasConfig, store: Store, run_id: str) -> History:
     """(step, metrics) for the evaluation before training (step 0, when there is one) and
-    every checkpointed iteration (step i + 1), in order."""
+    every checkpointed iteration (step i + 1, with its evaluation when one ran), in order."""
     experiment = config.experiment.name
     history: History = []
     before = f"{run_path(experiment, run_id)}/init/evaluate"
@@ -42,7 +42,11 @@ def run_history(config: DrmasConfig, store: Store, run_id: str) -> History:
         path = stage_path(experiment, run_id, i, "checkpoint")
         if not store.exists(path):
             break
-        history.append((i + 1, store.open(path).read_json("metrics.json")))
+        metrics = store.open(path).read_json("metrics.json")
+        evaluation = stage_path(experiment, run_id, i, "evaluate")
+        if store.exists(evaluation):  # a Kubeflow run checkpoints before it evaluates
+            metrics = {**store.open(evaluation).read_json("metrics.json"), **metrics}
+        history.append((i + 1, metrics))
     return history
 
 
