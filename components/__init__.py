@@ -37,6 +37,10 @@ store holds it with the same cache key (stage, input content, the config it read
 version: ``drmas.caching``), so a task that KFP re-executes does no work unless its inputs
 changed, and KFP runs, ``drmas run`` and ``drmas rerun`` share outputs in one store.
 ``force=True`` recomputes regardless (the pipelines set it with ``--force``).
+
+What every body does around its stage (open the config and store, check the input
+pointers, reuse or compute under the cache key, publish the pointer and the metrics) is
+written once in ``drmas.stage_io``, in the library, since a body ships without this package.
 """
 
 from components.advantage import advantage

@@ -32,17 +32,13 @@ def checkpoint(
     """Write ``iter-{i}/checkpoint`` naming every worker group's new policy and optimizer
     state (one ``update_k`` per worker group) with the iteration's metrics; the output is
     the policy set the next iteration starts from."""
-    import json
-    import math
-
-    from drmas.caching import cache_key, is_cached
+    from drmas.caching import cache_key
     from drmas.checkpoint import checkpoint as checkpoint_stage
-    from drmas.config import DrmasConfig
     from drmas.layout import optim_path, policy_path, stage_path
-    from drmas.store import Store, iteration_path
+    from drmas.stage_io import METRICS_FILE, open_stage, policy_set, publish, publish_metrics, reuse_or_compute
+    from drmas.store import iteration_path
 
-    config = DrmasConfig.from_json(config_json)
-    store = Store.from_config(config.store)
+    config, store = open_stage(config_json)
     experiment = config.experiment.name
     updates = [u for u in (update_0, update_1, update_2, update_3, update_4, update_5, update_6, update_7) if u is not None]
     given = {u.metadata["wg"]: u.metadata["artifact"] for u in updates}
@@ -50,35 +46,18 @@ def checkpoint(
     expected = {wg: policy_path(experiment, run_id, iteration, wg) for wg in groups}
     if given != expected:
         raise ValueError(f"the checkpoint of iteration {iteration} needs the updates {expected}, got {given}")
-    inputs = {f"policy/{wg}": expected[wg] for wg in groups} | {f"optim/{wg}": optim_path(experiment, run_id, iteration, wg) for wg in groups}
+    optims = {wg: optim_path(experiment, run_id, iteration, wg) for wg in groups}
+    inputs = {f"policy/{wg}": expected[wg] for wg in groups} | {f"optim/{wg}": optims[wg] for wg in groups}
     path = stage_path(experiment, run_id, iteration, "checkpoint")
     key = cache_key(config, "checkpoint", store, inputs, iteration=iteration)
-    reused = not force and is_cached(store, path, key)
-    if not reused:
+
+    def compute():
         values = {}
         for source in [stage_path(experiment, run_id, iteration, "rollout"), stage_path(experiment, run_id, iteration, "advantage"), *expected.values()]:
-            values |= store.open(source).read_json("metrics.json")
+            values |= store.open(source).read_json(METRICS_FILE)
         checkpoint_stage(config, store, run_id, iteration, values, overwrite=True, cache_key=key)
-    print(f"drmas: checkpoint iter {iteration} {'reused' if reused else 'computed'} {store.uri(path)}", flush=True)
 
-    values = store.open(path).read_json("metrics.json")
-    checkpoint.metadata.update(
-        {
-            "store_uri": store.uri(path),
-            "artifact": path,
-            "fingerprint": store.fingerprint(path, ignore=("metrics.json",)),
-            "iteration": iteration,
-            "home": iteration_path(experiment, run_id, iteration),
-            "policies": {wg: {"artifact": expected[wg], "prefix": ""} for wg in groups},
-            "optims": {wg: {"artifact": optim_path(experiment, run_id, iteration, wg), "prefix": ""} for wg in groups},
-            "policy_uris": {wg: store.uri(expected[wg]) for wg in groups},
-        }
-    )
-    with open(checkpoint.path, "w") as handle:
-        json.dump(checkpoint.metadata, handle, indent=2)
-    # KFP metadata cannot hold NaN or infinity (e.g. a statistic of a one-row group).
-    for name, value in values.items():
-        if math.isfinite(value):
-            metrics.log_metric(name, float(value))
-    with open(metrics.path, "w") as handle:
-        json.dump({name: value if math.isfinite(value) else str(value) for name, value in values.items()}, handle, indent=2)
+    reuse_or_compute(store, path, key, force, compute, label=f"checkpoint iter {iteration}")
+    home = iteration_path(experiment, run_id, iteration)
+    publish(store, path, checkpoint, iteration, **policy_set(store, home, {wg: (expected[wg], "") for wg in groups}, optims))
+    publish_metrics(store.open(path).read_json(METRICS_FILE), metrics)

@@ -22,15 +22,12 @@ def load_checkpoint(
     A ``run_id`` records the run's config in the store (or checks it against the recorded
     one, as ``drmas run --resume`` does) for the run that continues from here.
     """
-    import json
-
-    from drmas.config import DrmasConfig
     from drmas.layout import run_path
     from drmas.runner import open_run
-    from drmas.store import MANIFEST, CorruptArtifact, Store
+    from drmas.stage_io import open_stage, policy_set, publish
+    from drmas.store import MANIFEST, CorruptArtifact
 
-    config = DrmasConfig.from_json(config_json)
-    store = Store.from_config(config.store)
+    config, store = open_stage(config_json)
     path = checkpoint.metadata.get("artifact")
     if not path:
         uri = checkpoint.uri.rstrip("/")
@@ -55,17 +52,7 @@ def load_checkpoint(
         open_run(config, store, run_id, resume=store.exists(f"{run_path(config.experiment.name, run_id)}/run"))
     print(f"drmas: load_checkpoint iter {record['iteration']} {store.uri(path)}", flush=True)
 
-    policies.metadata.update(
-        {
-            "store_uri": store.uri(path),
-            "artifact": path,
-            "fingerprint": store.fingerprint(path, ignore=("metrics.json",)),
-            "iteration": record["iteration"],
-            "home": path.rsplit("/", 1)[0],
-            "policies": {wg: {"artifact": record["worker_groups"][wg]["policy"], "prefix": ""} for wg in groups},
-            "optims": {wg: {"artifact": record["worker_groups"][wg]["optim"], "prefix": ""} for wg in groups},
-            "policy_uris": {wg: store.uri(record["worker_groups"][wg]["policy"]) for wg in groups},
-        }
-    )
-    with open(policies.path, "w") as handle:
-        json.dump(policies.metadata, handle, indent=2)
+    entries = {wg: record["worker_groups"][wg] for wg in groups}
+    policy_refs = {wg: (entry["policy"], "") for wg, entry in entries.items()}
+    optims = {wg: entry["optim"] for wg, entry in entries.items()}
+    publish(store, path, policies, record["iteration"], **policy_set(store, path.rsplit("/", 1)[0], policy_refs, optims))

@@ -23,23 +23,16 @@ def update(
     ``policies`` on its rows of ``batch``; ``reference`` is the KL anchor (the run's
     starting policies). Writes ``iter-{i}/policy/{wg}`` and ``iter-{i}/optim/{wg}``
     (reused when stored with the same cache key, unless ``force``)."""
-    import json
-    import math
-
-    from drmas.caching import cache_key, is_cached
-    from drmas.config import DrmasConfig
+    from drmas.caching import cache_key
     from drmas.layout import optim_path, policy_path, stage_path
-    from drmas.store import Store
+    from drmas.stage_io import METRICS_FILE, expect_input, open_stage, publish, publish_metrics, reuse_or_compute
     from drmas.update import update as update_stage
     from drmas.workers import PolicyRef
 
-    config = DrmasConfig.from_json(config_json)
-    store = Store.from_config(config.store)
+    config, store = open_stage(config_json)
     experiment = config.experiment.name
     source = stage_path(experiment, run_id, iteration, "advantage")
-    if batch.metadata.get("artifact") != source:
-        given = batch.metadata.get("store_uri") or batch.uri
-        raise ValueError(f"the update of iteration {iteration} reads {store.uri(source)}, but was given {given}")
+    expect_input(batch, source, store, f"the update of iteration {iteration}")
     if wg not in policies.metadata["policies"]:
         raise ValueError(f"worker group {wg!r} has no policy in {policies.metadata.get('store_uri')}")
     current = PolicyRef(**policies.metadata["policies"][wg])
@@ -52,29 +45,11 @@ def update(
         inputs["reference"] = anchor.artifact
     path = policy_path(experiment, run_id, iteration, wg)
     key = cache_key(config, "update", store, inputs, iteration=iteration, wg=wg)
-    reused = not force and is_cached(store, path, key)
-    if not reused:
-        update_stage(config, store, run_id, iteration, wg, current, optim, anchor, overwrite=True, cache_key=key)
-    print(f"drmas: policy/{wg} iter {iteration} {'reused' if reused else 'computed'} {store.uri(path)}", flush=True)
 
-    values = store.open(path).read_json("metrics.json")
+    def compute():
+        update_stage(config, store, run_id, iteration, wg, current, optim, anchor, overwrite=True, cache_key=key)
+
+    reuse_or_compute(store, path, key, force, compute, label=f"policy/{wg} iter {iteration}")
     optim_out = optim_path(experiment, run_id, iteration, wg)
-    policy.metadata.update(
-        {
-            "store_uri": store.uri(path),
-            "artifact": path,
-            "fingerprint": store.fingerprint(path, ignore=("metrics.json",)),
-            "iteration": iteration,
-            "wg": wg,
-            "optim": optim_out,
-            "optim_uri": store.uri(optim_out),
-        }
-    )
-    with open(policy.path, "w") as handle:
-        json.dump(policy.metadata, handle, indent=2)
-    # KFP metadata cannot hold NaN or infinity (e.g. a statistic of a one-row group).
-    for name, value in values.items():
-        if math.isfinite(value):
-            metrics.log_metric(name, float(value))
-    with open(metrics.path, "w") as handle:
-        json.dump({name: value if math.isfinite(value) else str(value) for name, value in values.items()}, handle, indent=2)
+    publish(store, path, policy, iteration, wg=wg, optim=optim_out, optim_uri=store.uri(optim_out))
+    publish_metrics(store.open(path).read_json(METRICS_FILE), metrics)

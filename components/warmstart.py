@@ -24,17 +24,14 @@ def warmstart(
     """
     import hashlib
     import json
-    import math
 
-    from drmas.config import DrmasConfig
     from drmas.layout import init_policy_path, run_path
     from drmas.policies import init_policies
     from drmas.runner import open_run, starting_policies
-    from drmas.store import Store
+    from drmas.stage_io import METRICS_FILE, announce, open_stage, policy_set, publish, publish_metrics
     from drmas.warmstart import warmstart_path
 
-    config = DrmasConfig.from_json(config_json)
-    store = Store.from_config(config.store)
+    config, store = open_stage(config_json)
     run = run_path(config.experiment.name, run_id)
     open_run(config, store, run_id, resume=store.exists(f"{run}/run"))
     groups = [group.name for group in config.worker_groups()]
@@ -46,31 +43,15 @@ def warmstart(
             if config.warmstart.steps:
                 store.delete(warmstart_path(config, run_id, wg))
     refs = starting_policies(config, store, run_id)
-    print(f"drmas: warmstart {'reused' if reused else 'computed'} {store.uri(run)}", flush=True)
+    announce("warmstart", reused, store.uri(run))
 
     values = {}
     for wg, ref in refs.items():
         artifact = store.open(ref.artifact)
-        if "metrics.json" in artifact.files:
-            values |= {f"wg/{wg}/{name}": float(value) for name, value in artifact.read_json("metrics.json").items()}
-    prints = {wg: store.fingerprint(ref.artifact, ignore=("metrics.json",)) for wg, ref in sorted(refs.items())}
-    policies.metadata.update(
-        {
-            "store_uri": store.uri(run),
-            "artifact": run,
-            "fingerprint": hashlib.sha256(json.dumps(prints).encode()).hexdigest(),
-            "iteration": -1,
-            "home": f"{run}/init",
-            "policies": {wg: {"artifact": ref.artifact, "prefix": ref.prefix} for wg, ref in refs.items()},
-            "optims": {wg: None for wg in refs},
-            "policy_uris": {wg: store.uri(ref.artifact) for wg, ref in refs.items()},
-        }
-    )
-    with open(policies.path, "w") as handle:
-        json.dump(policies.metadata, handle, indent=2)
-    # KFP metadata cannot hold NaN or infinity (e.g. a statistic of a one-row group).
-    for name, value in values.items():
-        if math.isfinite(value):
-            metrics.log_metric(name, float(value))
-    with open(metrics.path, "w") as handle:
-        json.dump({name: value if math.isfinite(value) else str(value) for name, value in values.items()}, handle, indent=2)
+        if METRICS_FILE in artifact.files:
+            values |= {f"wg/{wg}/{name}": float(value) for name, value in artifact.read_json(METRICS_FILE).items()}
+    # Not one artifact but one per worker group: the fingerprint of the set is a hash of theirs.
+    prints = {wg: store.fingerprint(ref.artifact, ignore=(METRICS_FILE,)) for wg, ref in sorted(refs.items())}
+    extra = policy_set(store, f"{run}/init", {wg: (ref.artifact, ref.prefix) for wg, ref in refs.items()}, {wg: None for wg in refs})
+    publish(store, run, policies, -1, fingerprint=hashlib.sha256(json.dumps(prints).encode()).hexdigest(), **extra)
+    publish_metrics(values, metrics)

@@ -7,6 +7,23 @@ import pyarrow as pa
 
 from drmas.schema import TRAJECTORY_SCHEMA
 
+TINY_OVERRIDES = [
+    "rollout.prompts_per_iteration=3",
+    "rollout.group_size=2",
+    "rollout.sampling.max_new_tokens=10",
+    "data.generated_train_size=40",
+    "data.generated_eval_size=10",
+    "models.tiny.hidden_size=32",
+    "models.tiny.intermediate_size=64",
+    "models.tiny.num_layers=1",
+    "ray.max_resident=2",
+    "train.lr=0.001",
+    "warmstart.steps=5",
+]
+"""Overrides that shrink a tiny config (``configs/*_tiny.yaml``) to a few seconds per
+iteration on CPU, for the end-to-end tests that run ``drmas run`` (embedded or kfp-local);
+each test adds its own iteration count and evaluation settings."""
+
 
 def trajectory_table(rows: int = 6, seed: int = 0) -> pa.Table:
     """A schema-valid trajectories table: 2 prompts x 3 episodes, solver/verifier calls."""

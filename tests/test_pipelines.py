@@ -15,6 +15,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 import yaml
+from helpers import TINY_OVERRIDES
 
 import components
 import drmas
@@ -170,23 +171,7 @@ def test_cli_compile_writes_the_pipeline_and_refuses_pipeline_options_without_kf
 # kfp.local: the whole iteration, then a rerun of one stage
 # --------------------------------------------------------------------------------------
 
-SMALL = [
-    "experiment.iterations=1",
-    "rollout.prompts_per_iteration=3",
-    "rollout.group_size=2",
-    "rollout.sampling.max_new_tokens=10",
-    "data.generated_train_size=40",
-    "data.generated_eval_size=10",
-    "models.tiny.hidden_size=32",
-    "models.tiny.intermediate_size=64",
-    "models.tiny.num_layers=1",
-    "ray.max_resident=2",
-    "train.lr=0.001",
-    "warmstart.steps=5",
-    "eval.every=1",
-    "eval.max_questions=2",
-    "eval.k=2",
-]
+SMALL = ["experiment.iterations=1", *TINY_OVERRIDES, "eval.every=1", "eval.max_questions=2", "eval.k=2"]
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 

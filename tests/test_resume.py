@@ -11,23 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import TINY_OVERRIDES
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parent.parent
-SMALL = [
-    "experiment.iterations=3",
-    "rollout.prompts_per_iteration=3",
-    "rollout.group_size=2",
-    "rollout.sampling.max_new_tokens=10",
-    "data.generated_train_size=40",
-    "data.generated_eval_size=10",
-    "models.tiny.hidden_size=32",
-    "models.tiny.intermediate_size=64",
-    "models.tiny.num_layers=1",
-    "ray.max_resident=2",
-    "train.lr=0.001",
-    "warmstart.steps=5",
-]
+SMALL = ["experiment.iterations=3", *TINY_OVERRIDES]
 
 
 def drmas_run(tmp_path: Path, *args: str, wait: bool = True, config: str = "math_tiny.yaml"):

@@ -106,13 +106,43 @@ def main(argv: list[str] | None = None) -> int:
         if args.via == "kfp-local":
             return _run_kfp_local(args)
         if args.force or args.pipeline != "train" or args.start_iteration or args.checkpoint or args.iterations:
-            print("drmas run: --pipeline, --start-iteration, --iterations, --checkpoint and --force need --via kfp-local "
-                  "(the embedded runner resumes with --resume; drmas rerun recomputes a stage)", file=sys.stderr)
-            return 2
+            return _fail("run", "--pipeline, --start-iteration, --iterations, --checkpoint and --force need --via kfp-local "
+                         "(the embedded runner resumes with --resume; drmas rerun recomputes a stage)", 2)
         return _run(args)
     except ConfigError as error:
         print(f"drmas: {error}", file=sys.stderr)
         return 2
+
+
+def _fail(command: str, message: object, status: int = 1) -> int:
+    """Say on stderr why ``drmas COMMAND`` stops, and return its exit status: every
+    handler's failures read the same way (``drmas COMMAND: ...``)."""
+    print(f"drmas {command}: {message}", file=sys.stderr)
+    return status
+
+
+def _load(args: argparse.Namespace, logs: bool = True) -> DrmasConfig:
+    """The command's config: its CONFIG file with the overrides. ``logs`` sends the
+    library's progress lines (logging INFO) to stdout, beside the command's own output,
+    for the commands that run stages."""
+    if logs:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    return load_config(args.config, args.overrides)
+
+
+def _run_id(args: argparse.Namespace, config: DrmasConfig) -> str:
+    """The run a command trains or compiles for: --resume (run only), --run-id, the
+    config's experiment.run_id, or a new one named by the time."""
+    return getattr(args, "resume", None) or args.run_id or config.experiment.run_id or time.strftime("%Y%m%d-%H%M%S")
+
+
+def _start_run(args: argparse.Namespace) -> tuple[DrmasConfig, str]:
+    """What both ways of ``drmas run`` (embedded, kfp-local) do first: the config, with
+    logs on, the run id, and the worker groups printed."""
+    config = _load(args)
+    run_id = _run_id(args, config)
+    _print_worker_groups(config)
+    return config, run_id
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -120,9 +150,8 @@ def _config(args: argparse.Namespace) -> int:
         print("\n".join(describe_fields(DrmasConfig)))
         return 0
     if not args.config:
-        print("drmas config: give a CONFIG file, or --docs", file=sys.stderr)
-        return 2
-    config = load_config(args.config, args.overrides)
+        return _fail("config", "give a CONFIG file, or --docs", 2)
+    config = _load(args, logs=False)
     _print_worker_groups(config)
     print(config.to_json(indent=2))
     return 0
@@ -132,21 +161,16 @@ def _run(args: argparse.Namespace) -> int:
     from drmas.runner import open_run, summary_table, train  # noqa: PLC0415
     from drmas.store import Store, StoreError  # noqa: PLC0415
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    config = load_config(args.config, args.overrides)
-    run_id = args.resume or args.run_id or config.experiment.run_id or time.strftime("%Y%m%d-%H%M%S")
-    _print_worker_groups(config)
+    config, run_id = _start_run(args)
     try:
         store = Store.from_config(config.store)
         config = open_run(config, store, run_id, resume=args.resume is not None)
         print(f"run {run_id}: {config.experiment.iterations} iterations, store {store.uri(config.experiment.name)}/{run_id}")
         summary = train(config, store, run_id, cache_dir=Path(".cache") / "drmas", config_path=args.config)
     except (StoreError, ValueError) as error:
-        print(f"drmas run: cannot continue run {run_id}: {error}", file=sys.stderr)
-        return 1
+        return _fail("run", f"cannot continue run {run_id}: {error}")
     except KeyboardInterrupt:
-        print(f"drmas run: interrupted; resume with: drmas run {args.config} --resume {run_id}", file=sys.stderr)
-        return 130
+        return _fail("run", f"interrupted; resume with: drmas run {args.config} --resume {run_id}", 130)
     if summary.iterations_run == 0:
         print(f"run {run_id}: nothing left to do (all {config.experiment.iterations} iterations are complete)")
         return 0
@@ -160,15 +184,13 @@ def _rerun(args: argparse.Namespace) -> int:
     from drmas.runner import open_run, rerun  # noqa: PLC0415
     from drmas.store import Store, StoreError  # noqa: PLC0415
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    config = load_config(args.config, args.overrides)
+    config = _load(args)
     try:
         store = Store.from_config(config.store)
         config = open_run(config, store, args.run_id, resume=True)
         result = rerun(config, store, args.run_id, args.iteration, args.stage, cache_dir=Path(".cache") / "drmas")
     except (StoreError, ValueError) as error:
-        print(f"drmas rerun: {error}", file=sys.stderr)
-        return 1
+        return _fail("rerun", error)
     print(f"recomputed: {', '.join(result.recomputed)}; cache hits: {', '.join(n for n in result.stages if n not in result.recomputed and not n.startswith('optim/'))}")
     return 0
 
@@ -184,8 +206,7 @@ def _eval(args: argparse.Namespace) -> int:
     from drmas.store import Store, StoreError  # noqa: PLC0415
     from drmas.workers import PolicyRef  # noqa: PLC0415
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    config = load_config(args.config, args.overrides)
+    config = _load(args)
     store = Store.from_config(config.store)
     experiment = config.experiment.name
     try:
@@ -195,8 +216,7 @@ def _eval(args: argparse.Namespace) -> int:
 
             iteration = resume_point(config, store, args.run_id).next_iteration - 1
         if iteration < 0 or not store.exists(stage_path(experiment, args.run_id, iteration, "checkpoint")):
-            print(f"drmas eval: run {args.run_id} has no checkpoint for iteration {iteration}", file=sys.stderr)
-            return 1
+            return _fail("eval", f"run {args.run_id} has no checkpoint for iteration {iteration}")
         settings = json.dumps({"data": config.data_spec("eval"), "eval": config.eval.model_dump()}, sort_keys=True)
         path = stage_path(experiment, args.run_id, iteration, f"evaluate-{hashlib.sha256(settings.encode()).hexdigest()[:8]}")
         if store.exists(path):
@@ -213,8 +233,7 @@ def _eval(args: argparse.Namespace) -> int:
 
                     ray.shutdown()
     except (StoreError, ValueError) as error:
-        print(f"drmas eval: {error}", file=sys.stderr)
-        return 1
+        return _fail("eval", error)
     print(f"{store.uri(path)}")
     for key in sorted(metrics):
         print(f"{key} {metrics[key]:.4f}")
@@ -255,13 +274,13 @@ def _build_pipeline(args: argparse.Namespace, config: DrmasConfig, run_id: str):
     try:
         from pipelines.build import build_pipeline  # noqa: PLC0415 - kfp only for these commands
     except ImportError as error:
-        print(f"drmas {args.command}: the Kubeflow pipelines are not installed here ({error}); "
-              "install drmas from its repository (pip install -e .)", file=sys.stderr)
+        _fail(args.command, f"the Kubeflow pipelines are not installed here ({error}); "
+              "install drmas from its repository (pip install -e .)")
         return None
     try:
         return build_pipeline(args.pipeline, config, run_id, args.start_iteration, args.checkpoint, args.force, args.iterations)
     except ValueError as error:
-        print(f"drmas {args.command}: {error}", file=sys.stderr)
+        _fail(args.command, error)
         return None
 
 
@@ -272,8 +291,8 @@ LARGE_PIPELINE = 1 << 20
 def _compile_or_submit(args: argparse.Namespace) -> int:
     import tempfile  # noqa: PLC0415
 
-    config = load_config(args.config, args.overrides)
-    run_id = args.run_id or config.experiment.run_id or time.strftime("%Y%m%d-%H%M%S")
+    config = _load(args, logs=False)
+    run_id = _run_id(args, config)
     built = _build_pipeline(args, config, run_id)
     if built is None:
         return 2
@@ -302,17 +321,13 @@ def _compile_or_submit(args: argparse.Namespace) -> int:
         try:
             kfp_run, url = submit(path, args.host, arguments, args.experiment or config.experiment.name, name, args.namespace, account)
         except Exception as error:  # noqa: BLE001 - the client raises many kinds; say which host failed
-            print(f"drmas submit: could not start the run on {args.host}: {type(error).__name__}: {error}", file=sys.stderr)
-            return 1
+            return _fail("submit", f"could not start the run on {args.host}: {type(error).__name__}: {error}")
     print(f"submitted the {what} as KFP run {kfp_run} (drmas run {run_id}): {url}")
     return 0
 
 
 def _run_kfp_local(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    config = load_config(args.config, args.overrides)
-    run_id = args.resume or args.run_id or config.experiment.run_id or time.strftime("%Y%m%d-%H%M%S")
-    _print_worker_groups(config)
+    config, run_id = _start_run(args)
     built = _build_pipeline(args, config, run_id)
     if built is None:
         return 2
@@ -323,11 +338,9 @@ def _run_kfp_local(args: argparse.Namespace) -> int:
     try:
         output = run_local(func, arguments, DEFAULT_ROOT)
     except RuntimeError as error:
-        print(f"drmas run: the pipeline failed: {error}", file=sys.stderr)
-        return 1
+        return _fail("run", f"the pipeline failed: {error}")
     except KeyboardInterrupt:
-        print(f"drmas run: interrupted; run the same command again to continue run {run_id} (finished tasks are cached)", file=sys.stderr)
-        return 130
+        return _fail("run", f"interrupted; run the same command again to continue run {run_id} (finished tasks are cached)", 130)
     where = output.metadata.get("store_uri", output.uri) if output is not None else ""
     print(f"{'results' if args.pipeline == 'evaluate' else 'checkpoint'}: {where}")
     return 0
