@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 
+from drmas.config import DrmasConfig, load_config
+from drmas.layout import stage_path
 from drmas.schema import TRAJECTORY_SCHEMA
+from drmas.store import Store
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TINY_OVERRIDES = [
     "rollout.prompts_per_iteration=3",
@@ -54,3 +61,16 @@ def trajectory_table(rows: int = 6, seed: int = 0) -> pa.Table:
         },
         schema=TRAJECTORY_SCHEMA,
     )
+
+
+def stored_rollout(tmp_path: Path, rows: int = 12, run_id: str = "r") -> tuple[DrmasConfig, Store, str]:
+    """The tiny math config with its store under ``tmp_path/runs``, holding the rollout of
+    iteration 0 of ``run_id`` (``rows`` trajectory rows, no metrics): the input of an
+    advantage stage run on its own. Returns the config, the store and the rollout's path."""
+    config = load_config(ROOT / "configs" / "math_tiny.yaml", [f"store.root={tmp_path / 'runs'}"])
+    store = Store.from_config(config.store)
+    source = stage_path(config.experiment.name, run_id, 0, "rollout")
+    with store.writer(source, meta={"stage": "rollout", "iteration": 0}) as out:
+        out.write_table("trajectories.parquet", trajectory_table(rows), TRAJECTORY_SCHEMA)
+        out.write_json("metrics.json", {})
+    return config, store, source

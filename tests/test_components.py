@@ -112,19 +112,11 @@ def test_a_component_under_kfp_local_reads_and_writes_the_store(tmp_path, monkey
     from kfp import dsl, local
 
     from drmas.caching import cache_key
-    from drmas.config import load_config
     from drmas.layout import stage_path
-    from drmas.schema import TRAJECTORY_SCHEMA
-    from drmas.store import Store
-    from helpers import trajectory_table
+    from helpers import stored_rollout
 
     monkeypatch.chdir(tmp_path)
-    config = load_config(ROOT / "configs" / "math_tiny.yaml", [f"store.root={tmp_path / 'runs'}"])
-    store = Store.from_config(config.store)
-    source = stage_path(config.experiment.name, "r", 0, "rollout")
-    with store.writer(source, meta={"stage": "rollout", "iteration": 0}) as out:
-        out.write_table("trajectories.parquet", trajectory_table(12), TRAJECTORY_SCHEMA)
-        out.write_json("metrics.json", {})
+    config, store, source = stored_rollout(tmp_path, rows=12)
 
     @dsl.pipeline(name="advantage-alone")
     def alone(config_json: str) -> dsl.Dataset:
