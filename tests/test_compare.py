@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import TINY_OVERRIDES
 
 from drmas.compare import ComparisonRun, spike, write_comparison
 from drmas.config import load_config
 from drmas.store import Store
+
+ROOT = Path(__file__).parent.parent
 
 
 def test_spike_is_the_worst_step_over_the_median():
@@ -48,3 +58,28 @@ def test_report_names_modes_agents_spikes_and_results(tmp_path):
     assert "| solver | 0.600 | 1.500 | 1.400 | 0.100 |" in text
     assert "| grpo | 0.650 ± 0.050 | 0.900 ± 0.000 | 2 |" in text  # one skipped step per grpo run
     assert "| drmas | 0.800 | 0.900 | 1 |" in text
+
+
+@pytest.mark.slow
+def test_drmas_compare_trains_each_mode_from_one_warm_start(tmp_path):
+    """`drmas compare` end to end on a tiny team: one run per mode, the second mode starts
+    from the first one's warm start (copied, not retrained), one report for both."""
+    command = [str(Path(sys.executable).parent / "drmas"), "compare", str(ROOT / "configs" / "math_tiny.yaml"),
+               "--seeds", "1", "--name", "cmp", "experiment.iterations=2", "eval.every=2", "eval.max_questions=3", "eval.k=2",
+               *TINY_OVERRIDES, f"store.root={tmp_path / 'runs'}"]
+    done = subprocess.run(command, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    root = tmp_path / "runs" / "math-tiny"
+    assert "runs: cmp-grpo-s0, cmp-drmas-s0" in done.stdout
+    for wg in ("solver", "verifier"):
+        first, second = (root / f"cmp-{m}-s0" / "warmstart" / "policy" / wg for m in ("grpo", "drmas"))
+        assert (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
+        assert "copied_from" in json.loads((second / "_MANIFEST.json").read_text())["meta"]
+        # the modes then train apart: the same start, different advantages
+        assert (root / "cmp-grpo-s0" / "iter-000001" / "policy" / wg / "model.safetensors").exists()
+    recorded = {m: json.loads((root / f"cmp-{m}-s0" / "run" / "config.json").read_text()) for m in ("grpo", "drmas")}
+    assert recorded["grpo"]["algorithm"]["advantage"] == "grpo" and recorded["drmas"]["algorithm"]["advantage"] == "drmas"
+    assert recorded["drmas"]["diagnostics"]["per_agent_grad_norm"] is True
+    text = (root / "cmp" / "report" / "report.md").read_text()
+    assert "| grpo | solver |" in text and "| drmas | verifier |" in text and "eval avg@2" in text
+    assert (root / "cmp" / "report" / "grad_norms.png").read_bytes().startswith(b"\x89PNG")

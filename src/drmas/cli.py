@@ -8,6 +8,9 @@
                                           evaluate a checkpoint (avg@k, pass@k)
     drmas rerun CONFIG --run-id ID --iteration I --stage advantage
                                           recompute one stage from its stored inputs
+    drmas compare CONFIG --advantage grpo,drmas --seeds 3 [a.b=value ...] [--name NAME]
+                                          train per mode and seed, report gradient norms,
+                                          Lemma 4.2 terms, spikes and eval side by side
     drmas compile CONFIG [a.b=value ...] -o pipeline.yaml [--pipeline train|rl_iteration|evaluate]
                                           compile the Kubeflow pipeline of this config
     drmas submit CONFIG [a.b=value ...] --host URL [--experiment NAME] [--run-name NAME]
@@ -71,6 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     rerun_cmd.add_argument("--iteration", type=int, required=True)
     rerun_cmd.add_argument("--stage", required=True, help="rollout, advantage, update (or policy/WG), evaluate or checkpoint")
 
+    compare_cmd = commands.add_parser("compare", help="train the same team per advantage mode and seed, and compare them")
+    compare_cmd.add_argument("config", help="YAML config file")
+    compare_cmd.add_argument("overrides", nargs="*", help="section.field=value overrides (for every run)")
+    compare_cmd.add_argument("--advantage", default="grpo,drmas", help="comma-separated advantage modes (default: grpo,drmas)")
+    compare_cmd.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default: 3)")
+    compare_cmd.add_argument("--name", default="compare", help="prefix of the runs and folder of the report (default: compare)")
+
     compile_cmd = commands.add_parser("compile", help="compile the Kubeflow pipeline of a config to YAML")
     compile_cmd.add_argument("config", help="YAML config file")
     compile_cmd.add_argument("overrides", nargs="*", help="section.field=value overrides")
@@ -101,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             return _eval(args)
         if args.command == "rerun":
             return _rerun(args)
+        if args.command == "compare":
+            return _compare(args)
         if args.command in ("compile", "submit"):
             return _compile_or_submit(args)
         if args.via == "kfp-local":
@@ -192,6 +204,24 @@ def _rerun(args: argparse.Namespace) -> int:
     except (StoreError, ValueError) as error:
         return _fail("rerun", error)
     print(f"recomputed: {', '.join(result.recomputed)}; cache hits: {', '.join(n for n in result.stages if n not in result.recomputed and not n.startswith('optim/'))}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from drmas.compare import compare  # noqa: PLC0415
+    from drmas.store import StoreError  # noqa: PLC0415
+
+    _load(args)  # validates the config and the overrides before any run starts
+    modes = [mode.strip() for mode in args.advantage.split(",") if mode.strip()]
+    if not modes or any(mode not in ("grpo", "drmas") for mode in modes) or args.seeds < 1:
+        return _fail("compare", f"--advantage takes grpo and/or drmas (got {args.advantage!r}) and --seeds at least 1", 2)
+    try:
+        runs, report = compare(args.config, args.overrides, modes, list(range(args.seeds)), args.name, cache_dir=Path(".cache") / "drmas")
+    except (StoreError, ValueError) as error:
+        return _fail("compare", error)
+    except KeyboardInterrupt:
+        return _fail("compare", "interrupted; the same command continues where it stopped", 130)
+    print(f"runs: {', '.join(run.run_id for run in runs)}\nreport: {report}/report.md")
     return 0
 
 
