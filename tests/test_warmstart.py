@@ -56,3 +56,27 @@ def test_non_arithmetic_questions_have_no_demonstrations():
     config = load_config(ROOT / "configs" / "math_tiny.yaml")
     with pytest.raises(ValueError, match="only generated:arithmetic"):
         math_demonstrations([Question("q", "Prove Fermat's last theorem.", ("x",), "t")], config, np.random.default_rng(0))
+
+
+@pytest.mark.slow
+def test_warm_start_trains_each_worker_group_reproducibly(tmp_path):
+    """Both groups are fine-tuned (in parallel processes) into their own artifacts; the same
+    seed gives the same weights, whatever order the processes finish in."""
+    from helpers import TINY_OVERRIDES
+
+    from drmas.policies import init_policies
+    from drmas.store import Store
+    from drmas.warmstart import warmstart
+
+    weights = []
+    for attempt in ("a", "b"):
+        config = load_config(ROOT / "configs" / "math_tiny.yaml", [*TINY_OVERRIDES, "warmstart.steps=3", f"store.root={tmp_path / attempt}"])
+        store = Store.from_config(config.store)
+        warmed = warmstart(config, store, "r", init_policies(config, store, "r"))
+        assert sorted(warmed) == ["solver", "verifier"]
+        for wg, ref in warmed.items():
+            metrics = store.open(ref.artifact).read_json("metrics.json")
+            assert metrics["warmstart/demonstrations"] > 0 and np.isfinite(metrics["warmstart/loss"])
+            assert store.open(ref.artifact).read_bytes("model.safetensors") != store.open(f"math-tiny/r/init/policy/{wg}").read_bytes("model.safetensors")
+        weights.append({wg: store.open(ref.artifact).read_bytes("model.safetensors") for wg, ref in warmed.items()})
+    assert weights[0] == weights[1]

@@ -16,9 +16,12 @@ is computed, never sampled). Loss: cross-entropy on the response tokens only.
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
 import re
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -99,26 +102,47 @@ def math_demonstrations(questions: list[Question], config: DrmasConfig, rng: np.
 
 
 def warmstart(config: DrmasConfig, store: Store, run_id: str, init: dict[str, PolicyRef]) -> dict[str, PolicyRef]:
-    """Fine-tune every worker group on its agents' demonstrations (once per run)."""
+    """Fine-tune every worker group on its agents' demonstrations (once per run).
+
+    Worker groups train at the same time, one process each with an equal share of the
+    cores: the groups are independent, and on CPU two single-threaded trainings finish
+    sooner than two two-threaded ones in turn. Each group draws its batches from its own
+    seeded stream, so the result does not depend on which finishes first.
+    """
     if config.task.name != "math":
         raise DataError("warm start: demonstrations exist for the math task only (set warmstart.steps: 0)")
-    rng = np.random.default_rng([config.experiment.seed, 17])
-    questions = task_questions(config, "train")
-    demos = math_demonstrations(questions, config, rng)
-    result = {}
-    for group in config.worker_groups():
+    demos = math_demonstrations(task_questions(config, "train"), config, np.random.default_rng([config.experiment.seed, 17]))
+    result, todo = {}, []
+    for index, group in enumerate(config.worker_groups()):
         path = warmstart_path(config, run_id, group.name)
         result[group.name] = PolicyRef(path)
-        if store.exists(path):
-            continue
-        pairs = [pair for agent in group.agents for pair in demos.get(agent, [])]
-        with tempfile.TemporaryDirectory() as scratch:
-            local = store.open(init[group.name].artifact).download(Path(scratch) / "init", prefix=init[group.name].prefix)
-            metrics = _fine_tune(config, local, pairs, rng, Path(scratch) / "out", label=group.name)
-            with store.writer(path, meta={"stage": "warmstart", "wg": group.name}) as out:
-                out.put_dir(Path(scratch) / "out", "")
-                out.write_json("metrics.json", metrics)
+        if not store.exists(path):
+            pairs = [pair for agent in group.agents for pair in demos.get(agent, [])]
+            todo.append((config.to_json(), store.settings().model_dump(), group.name, index, init[group.name], path, pairs))
+    if len(todo) == 1:
+        _warm_one(*todo[0], threads=torch.get_num_threads())
+    elif todo:
+        threads = max(1, (os.cpu_count() or 1) // len(todo))
+        with ProcessPoolExecutor(max_workers=len(todo), mp_context=multiprocessing.get_context("spawn")) as workers:
+            for done in [workers.submit(_warm_one, *job, threads=threads) for job in todo]:
+                done.result()  # re-raises a group's failure here
     return result
+
+
+def _warm_one(config_json: str, store_settings: dict, wg: str, index: int, init: PolicyRef, path: str, pairs: list[tuple[str, str]], threads: int) -> None:
+    """Fine-tune one worker group and write its policy artifact (manifest last)."""
+    from drmas.config import StoreConfig  # noqa: PLC0415
+
+    torch.set_num_threads(threads)
+    config = DrmasConfig.from_json(config_json)
+    store = Store.from_config(StoreConfig(**store_settings))
+    rng = np.random.default_rng([config.experiment.seed, 17, index])
+    with tempfile.TemporaryDirectory() as scratch:
+        local = store.open(init.artifact).download(Path(scratch) / "init", prefix=init.prefix)
+        metrics = _fine_tune(config, local, pairs, rng, Path(scratch) / "out", label=wg)
+        with store.writer(path, meta={"stage": "warmstart", "wg": wg}) as out:
+            out.put_dir(Path(scratch) / "out", "")
+            out.write_json("metrics.json", metrics)
 
 
 SFT_LENGTH_BUCKETS = 2
