@@ -186,8 +186,8 @@ def _run(args: argparse.Namespace) -> int:
     if summary.iterations_run == 0:
         print(f"run {run_id}: nothing left to do (all {config.experiment.iterations} iterations are complete)")
         return 0
-    if summary.before or any(key.startswith("eval/") for key in summary.metrics):
-        print(summary_table(summary, config.eval.k))
+    if table := summary_table(summary, config.eval.k):
+        print(table)
     print(f"checkpoint: {summary.checkpoint}\nreport: {summary.report}/report.md\nmlflow: {summary.tracking} (browse with: make ui)")
     return 0
 

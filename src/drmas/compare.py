@@ -29,7 +29,7 @@ import numpy as np
 
 from drmas.config import DrmasConfig, load_config
 from drmas.layout import run_path
-from drmas.report import History, run_history
+from drmas.report import History, run_history, series
 from drmas.store import Store
 
 __all__ = ["ComparisonRun", "compare", "spike", "write_comparison"]
@@ -100,8 +100,8 @@ def spike(values: list[float]) -> float:
 
 
 def _series(history: History, key: str) -> tuple[np.ndarray, np.ndarray]:
-    points = [(step, metrics[key]) for step, metrics in history if key in metrics]
-    return np.array([p[0] for p in points]), np.array([p[1] for p in points], dtype=float)
+    steps, values = series(history, key)
+    return np.array(steps), np.array(values, dtype=float)
 
 
 def _agents(runs: list[ComparisonRun]) -> list[str]:

@@ -25,7 +25,7 @@ from drmas.config import DrmasConfig
 from drmas.layout import run_path, stage_path
 from drmas.store import Store
 
-__all__ = ["run_history", "write_report"]
+__all__ = ["History", "run_history", "series", "write_report"]
 
 History = list[tuple[int, dict[str, float]]]
 
@@ -50,7 +50,8 @@ def run_history(config: DrmasConfig, store: Store, run_id: str) -> History:
     return history
 
 
-def _series(history: History, key: str) -> tuple[list[int], list[float]]:
+def series(history: History, key: str) -> tuple[list[int], list[float]]:
+    """The steps at which ``key`` was logged, and its values there."""
     points = [(step, metrics[key]) for step, metrics in history if key in metrics]
     return [p[0] for p in points], [p[1] for p in points]
 
@@ -65,7 +66,7 @@ def _panel(axis, history: History, keys: Iterable[tuple[str, str]], title: str, 
     """Plot (label, metric key) lines on ``axis``; False when none of them has data."""
     drawn = False
     for label, key in keys:
-        steps, values = _series(history, key)
+        steps, values = series(history, key)
         if steps:
             axis.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=label)
             drawn = True

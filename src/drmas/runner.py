@@ -257,7 +257,7 @@ def _report(config: DrmasConfig, store: Store, run_id: str, tracker, summary: Ru
     path = f"{run_path(config.experiment.name, run_id)}/report"
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "report"
-        table = summary_table(summary, config.eval.k) if summary.before or any(k.startswith("eval/") for k in summary.metrics) else ""
+        table = summary_table(summary, config.eval.k)
         files = write_report(config, run_history(config, store, run_id), folder, table)
         with store.writer(path, overwrite=True, meta={"stage": "report"}) as out:
             out.put_dir(folder, "")
@@ -266,7 +266,10 @@ def _report(config: DrmasConfig, store: Store, run_id: str, tracker, summary: Ru
 
 
 def summary_table(summary: RunSummary, k: int) -> str:
-    """Before and after, side by side: eval success and each agent's output validity."""
+    """Before and after, side by side: eval success and each agent's output validity
+    (empty when the run has no evaluation)."""
+    if not summary.before and not any(key.startswith("eval/") for key in summary.metrics):
+        return ""
     rows = [(f"eval avg@{k}", f"eval/avg_at_{k}"), (f"eval pass@{k}", f"eval/pass_at_{k}")]
     agents = sorted({key.split("/")[2] for key in summary.metrics if key.startswith("eval/agent/") and key.endswith("/valid_rate")})
     rows += [(f"{agent} valid outputs", f"eval/agent/{agent}/valid_rate") for agent in agents]
