@@ -3,6 +3,8 @@ fly) in Ray actors, both tasks, shared, separate and heterogeneous worker groups
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pyarrow.compute as pc
@@ -11,7 +13,7 @@ import pytest
 from drmas.config import load_config
 from drmas.models import load_tokenizer
 from drmas.policies import init_policies
-from drmas.pool import RayPool
+from drmas.pool import ACTOR_RESTARTS, RayPool, WorkerGroupDied
 from drmas.rollout import rollout
 from drmas.schema import TRAJECTORY_SCHEMA
 from drmas.store import Store
@@ -96,3 +98,53 @@ def test_heterogeneous_models_use_their_own_tokenizers(ray_session, tmp_path):
     for row in table.to_pylist():
         prompt = tokenizers[row["wg"]].decode(row["prompt_ids"])
         assert "Problem: What is" in prompt, prompt  # each prompt decodes with its own tokenizer
+
+
+class ActorKiller:
+    """The real pool, whose worker-group actor process gets SIGKILL right before the
+    generate calls numbered in ``kill_before`` (as an OOM kill or a lost node would)."""
+
+    def __init__(self, pool: RayPool, kill_before: set[int]) -> None:
+        self.pool, self.kill_before, self.calls = pool, kill_before, 0
+
+    def load(self, policies):
+        self.pool.load(policies)
+
+    def generate(self, wg, messages, sampling, seed):
+        self.calls += 1
+        if self.calls in self.kill_before:
+            os.kill(self.pool.status()[wg]["pid"], signal.SIGKILL)
+        return self.pool.generate(wg, messages, sampling, seed)
+
+
+def test_a_killed_worker_group_actor_is_restarted_and_the_rollout_is_unchanged(ray_session, tmp_path):
+    """Ray restarts the actor, the pool reloads its policy and repeats the call: the stage
+    writes the trajectories an undisturbed rollout writes."""
+    config = load_config(CONFIGS / "math_tiny.yaml", [*SMALL, "workers.sharing=none", "ray.max_resident=1"])
+    *_, [expected], _, _ = run_rollouts(config, tmp_path / "calm")
+    store = Store(str(tmp_path / "store"))
+    policies = init_policies(config, store, "run")
+    with RayPool(config, store, cache_dir=tmp_path / "cache", threads=1) as pool:
+        killer = ActorKiller(pool, kill_before={1, 2})
+        result = rollout(config, store, "run", 0, policies, killer)
+        assert pool.restarts == 2
+    table = store.open(result.artifact).read_table("trajectories.parquet", TRAJECTORY_SCHEMA)
+    assert table.equals(expected)
+
+
+def test_an_actor_that_keeps_dying_fails_the_stage_cleanly(ray_session, tmp_path):
+    """Past ACTOR_RESTARTS the stage stops with an error naming the worker group, and no
+    trajectories appear in the store."""
+    config = load_config(CONFIGS / "math_tiny.yaml", [*SMALL, "workers.sharing=none"])
+    store = Store(str(tmp_path / "store"))
+    policies = init_policies(config, store, "run")
+    with RayPool(config, store, cache_dir=tmp_path / "cache", threads=1) as pool:
+        pool.load(policies)
+        for _ in range(ACTOR_RESTARTS):
+            os.kill(pool.status()["solver"]["pid"], signal.SIGKILL)
+            pool.status()  # waits for the restart and reloads the policy
+        assert pool.restarts == ACTOR_RESTARTS
+        os.kill(pool.status()["solver"]["pid"], signal.SIGKILL)
+        with pytest.raises(WorkerGroupDied, match="worker group 'solver'.*wrote nothing"):
+            rollout(config, store, "run", 0, policies, pool)
+    assert not store.exists("math-tiny/run/iter-000000/rollout")

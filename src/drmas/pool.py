@@ -8,26 +8,44 @@ one before making another resident, so N models fit where fewer would.
 
 Ray starts locally by default (bound to 127.0.0.1) and joins a cluster when
 ``ray.address`` is set (e.g. the KubeRay head service).
+
+A worker-group actor that dies (its process killed, its node lost) is restarted by Ray
+(up to ``ACTOR_RESTARTS`` times per pool); the pool sees the failed call (or the restarted
+actor's ``PolicyNotLoaded``), reloads the policy the actor held and repeats the call. Generation is seeded per call, so the repeated call returns what the
+first would have: the stage completes as if nothing happened. Past the limit the call
+fails with ``WorkerGroupDied`` naming the worker group, and the stage writes nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
+import time
 from collections import OrderedDict
 from pathlib import Path
 
 from drmas.config import DrmasConfig, SamplingConfig
 from drmas.store import Store
-from drmas.workers import GenerationResult, PolicyRef, WorkerGroupRuntime
+from drmas.workers import GenerationResult, PolicyNotLoaded, PolicyRef, WorkerGroupRuntime
 
-__all__ = ["RayPool", "connect_ray"]
+__all__ = ["ACTOR_RESTARTS", "RayPool", "WorkerGroupDied", "connect_ray"]
+
+log = logging.getLogger("drmas")
+ACTOR_RESTARTS = 3
+"""How many times, per pool, a dead worker-group actor is restarted before a stage fails."""
+ACTOR_RESTART_TIMEOUT_S = 120.0
+"""How long to wait for Ray to bring a dead actor back (it reloads torch and the model)."""
 
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "disabled",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
 }
+
+
+class WorkerGroupDied(RuntimeError):
+    """A worker group's actor died more often than ``ACTOR_RESTARTS`` allows."""
 
 
 def connect_ray(config: DrmasConfig, temp_dir: Path | None = None) -> bool:
@@ -78,6 +96,8 @@ class RayPool:
         self.max_resident = config.ray.max_resident
         self.resident: OrderedDict[str, None] = OrderedDict()  # least recently used first
         self.loads = 0
+        self.restarts = 0
+        self.policies: dict[str, PolicyRef] = {}
         groups = config.worker_groups()
         resource, slots = config.ray.pool_resource, config.ray.pool_size
         self.placement = placement_group([{resource: 1.0}] * slots, strategy="PACK")
@@ -93,6 +113,7 @@ class RayPool:
                     self.placement, placement_group_bundle_index=index % slots
                 ),
                 name=None,
+                max_restarts=ACTOR_RESTARTS,
             ).remote(
                 group.name,
                 store.settings(),
@@ -132,36 +153,82 @@ class RayPool:
             raise ValueError(f"no policy given for worker group(s): {', '.join(sorted(missing))}")
         for wg, policy in policies.items():
             self._make_room(wg)
-            self.loads += int(ray.get(self.actors[wg].load_policy.remote(policy)))
+            self.policies[wg] = policy
+            self.loads += int(self._call(wg, "load_policy", policy))
             self._mark_resident(wg)
 
     def generate(self, wg: str, messages: list[str], sampling: SamplingConfig, seed: int) -> list[GenerationResult]:
-        import ray  # noqa: PLC0415
-
         self._make_resident(wg)
-        return ray.get(self.actors[wg].generate.remote(messages, sampling, seed))
+        return self._call(wg, "generate", messages, sampling, seed)
 
     def status(self) -> dict[str, dict[str, object]]:
+        return {wg: self._call(wg, "status") for wg in self.actors}
+
+    def _call(self, wg: str, method: str, *args: object):
+        """Call an actor's method; if the actor died, let Ray restart it, bring it back to
+        the state the pool believes it is in, and call again."""
         import ray  # noqa: PLC0415
 
-        return {wg: ray.get(actor.status.remote()) for wg, actor in self.actors.items()}
+        for _ in range(ACTOR_RESTARTS + 2):
+            try:
+                return ray.get(getattr(self.actors[wg], method).remote(*args))
+            except (ray.exceptions.RayActorError, PolicyNotLoaded) as error:
+                if isinstance(error, PolicyNotLoaded) and wg not in self.policies:
+                    raise  # a caller's mistake, not a restart
+                failure = error
+                if self._came_back_empty(wg, method, error):
+                    self._restore(wg, method)
+        self._give_up(wg, method, failure)
+
+    def _came_back_empty(self, wg: str, method: str, error: Exception) -> bool:
+        """Wait (bounded) until the actor answers again; True if it is a restarted, empty one."""
+        import ray  # noqa: PLC0415
+
+        deadline = time.monotonic() + ACTOR_RESTART_TIMEOUT_S
+        while True:
+            try:
+                status = ray.get(self.actors[wg].status.remote(), timeout=ACTOR_RESTART_TIMEOUT_S)
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as again:
+                if isinstance(again, ray.exceptions.ActorDiedError) or time.monotonic() > deadline:
+                    self._give_up(wg, method, again)
+                time.sleep(0.2)
+        if status["version"] is not None or wg not in self.policies:
+            return False
+        self.restarts += 1
+        if self.restarts > ACTOR_RESTARTS:
+            self._give_up(wg, method, error)
+        log.warning("worker group %s: its Ray actor died during %s; restarted (%d/%d), reloading its policy", wg, method, self.restarts, ACTOR_RESTARTS)
+        return True
+
+    def _give_up(self, wg: str, method: str, error: Exception) -> None:
+        reason = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+        raise WorkerGroupDied(
+            f"worker group {wg!r}: its Ray actor died during {method} and could not be brought back "
+            f"({self.restarts} restart(s) so far; {reason}); the stage stopped and wrote nothing"
+        ) from None
+
+    def _restore(self, wg: str, method: str) -> None:
+        """Bring a restarted actor back to the state the pool believes it is in: holding its
+        policy, and offloaded unless resident (or about to be made so by ``method``)."""
+        if method == "load_policy":
+            return
+        self._call(wg, "load_policy", self.policies[wg])
+        if wg not in self.resident and method not in ("offload", "resume"):
+            self._call(wg, "offload")
 
     def _make_resident(self, wg: str) -> None:
-        import ray  # noqa: PLC0415
-
         if wg in self.resident:
             self.resident.move_to_end(wg)
             return
         self._make_room(wg)
-        ray.get(self.actors[wg].resume.remote())
+        self._call(wg, "resume")
         self._mark_resident(wg)
 
     def _make_room(self, wg: str) -> None:
-        import ray  # noqa: PLC0415
-
         while wg not in self.resident and len(self.resident) >= self.max_resident:
             evicted, _ = self.resident.popitem(last=False)
-            ray.get(self.actors[evicted].offload.remote())
+            self._call(evicted, "offload")
 
     def _mark_resident(self, wg: str) -> None:
         self.resident[wg] = None

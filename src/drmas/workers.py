@@ -22,7 +22,7 @@ from drmas.engines import make_engine
 from drmas.models import load_tokenizer
 from drmas.store import Store
 
-__all__ = ["GenerationResult", "PolicyRef", "WorkerGroupRuntime"]
+__all__ = ["GenerationResult", "PolicyNotLoaded", "PolicyRef", "WorkerGroupRuntime"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,11 @@ class GenerationResult:
     logprobs: list[float]
     text: str
     finish_reason: str
+
+
+class PolicyNotLoaded(RuntimeError):
+    """Asked to generate or resume before any policy was loaded: in a pool, the sign of an
+    actor that Ray restarted (it starts empty), which the pool answers by reloading."""
 
 
 class WorkerGroupRuntime:
@@ -101,6 +106,8 @@ class WorkerGroupRuntime:
         self.engine.offload()
 
     def resume(self) -> None:
+        if self.version is None:
+            raise PolicyNotLoaded(f"worker group {self.name!r}: resume() before load_policy()")
         self.engine.resume()
 
     def status(self) -> dict[str, object]:
@@ -111,7 +118,7 @@ class WorkerGroupRuntime:
     def generate(self, messages: list[str], sampling: SamplingConfig, seed: int) -> list[GenerationResult]:
         """One batched generate: every message is one user turn, chat-formatted."""
         if self.tokenizer is None:
-            raise RuntimeError(f"worker group {self.name!r}: generate() before load_policy()")
+            raise PolicyNotLoaded(f"worker group {self.name!r}: generate() before load_policy()")
         prompts = [self._encode(message) for message in messages]
         generations = self.engine.generate(prompts, sampling, self.stop_ids, seed)
         return [
