@@ -41,6 +41,8 @@ RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "disabled",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    # Ray starts workers at nice 15; the generating actors ARE the work, not background.
+    "RAY_worker_niceness": "0",
 }
 
 

@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from drmas import faults
 from drmas.schema import check_table
 
 if TYPE_CHECKING:
@@ -335,7 +336,9 @@ class ArtifactWriter:
         name = _clean(name)
         if name == MANIFEST or name in self.files:
             raise StoreError(f"{self.store.uri(self.path, name)}: written twice or reserved")
-        self.store._write(self.store._abs(self.path, name), data)
+        absolute = self.store._abs(self.path, name)
+        faults.reached(self.path, len(self.files) + 1, lambda: self.store._write(absolute, data[: len(data) // 2]))
+        self.store._write(absolute, data)
         self.files[name] = FileEntry(len(data), hashlib.sha256(data).hexdigest())
         return self.store.uri(self.path, name)
 
@@ -369,6 +372,7 @@ class ArtifactWriter:
             "meta": self.meta,
         }
         data = json.dumps(manifest, indent=2, sort_keys=True).encode()
+        faults.reached(self.path, "manifest")
         self.store._write_atomically(self.store._abs(self.path, MANIFEST), data)
 
     def _discard(self) -> None:

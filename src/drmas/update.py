@@ -28,6 +28,7 @@ import math
 import os
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -411,6 +412,8 @@ def update(
         if optim is not None:
             state_dir = store.open(optim.artifact).download(Path(scratch) / "optim", prefix=optim.prefix)
             engine.import_state(load_state(state_dir))
+        else:  # the first update: its RNG (saved with the state) must not depend on the process's past
+            torch.manual_seed(zlib.crc32(f"{config.experiment.seed}/{wg}".encode()))
         ref_model = _reference(config, store, reference, Path(scratch), dtype)
         metrics = _train(config, group, engine, model, ref_model, rows, tokenizer.pad_token_id, iteration, rank, world)
         metrics[f"wg/{wg}/time"] = time.perf_counter() - started
