@@ -22,10 +22,10 @@ def load_checkpoint(
     A ``run_id`` records the run's config in the store (or checks it against the recorded
     one, as ``drmas run --resume`` does) for the run that continues from here.
     """
+    from drmas.checkpoint import read_checkpoint
     from drmas.layout import run_path
     from drmas.runner import open_run
     from drmas.stage_io import open_stage, policy_set, publish
-    from drmas.store import MANIFEST, CorruptArtifact
 
     config, store = open_stage(config_json)
     path = checkpoint.metadata.get("artifact")
@@ -34,25 +34,16 @@ def load_checkpoint(
         if not uri.startswith(store.root + "/"):
             raise ValueError(f"checkpoint {uri} is not in the store of this config ({store.root})")
         path = uri[len(store.root) + 1 :]
-    record = store.open(path).read_json("checkpoint.json")
-    if next_iteration >= 0 and record["iteration"] != next_iteration - 1:
+    found = read_checkpoint(config, store, path)
+    if next_iteration >= 0 and found.next_iteration != next_iteration:
         raise ValueError(
-            f"{store.uri(path)} is the checkpoint of iteration {record['iteration']}; iteration {next_iteration} "
-            f"continues from iteration {next_iteration - 1} (compile with --start-iteration {record['iteration'] + 1})"
+            f"{store.uri(path)} is the checkpoint of iteration {found.next_iteration - 1}; iteration {next_iteration} "
+            f"continues from iteration {next_iteration - 1} (compile with --start-iteration {found.next_iteration})"
         )
-    groups = [group.name for group in config.worker_groups()]
-    for wg in groups:
-        entry = record["worker_groups"].get(wg)
-        if entry is None:
-            raise CorruptArtifact(f"{store.uri(path)} has no worker group {wg!r} (config changed?)")
-        for kind in ("policy", "optim"):
-            if store.fingerprint(entry[kind]) != entry[f"{kind}_manifest"]:
-                raise CorruptArtifact(f"{store.uri(entry[kind], MANIFEST)}: differs from what {store.uri(path)} recorded")
     if run_id:
         open_run(config, store, run_id, resume=store.exists(f"{run_path(config.experiment.name, run_id)}/run"))
-    print(f"drmas: load_checkpoint iter {record['iteration']} {store.uri(path)}", flush=True)
+    print(f"drmas: load_checkpoint iter {found.next_iteration - 1} {store.uri(path)}", flush=True)
 
-    entries = {wg: record["worker_groups"][wg] for wg in groups}
-    policy_refs = {wg: (entry["policy"], "") for wg, entry in entries.items()}
-    optims = {wg: entry["optim"] for wg, entry in entries.items()}
-    publish(store, path, policies, record["iteration"], **policy_set(store, path.rsplit("/", 1)[0], policy_refs, optims))
+    policy_refs = {wg: (ref.artifact, "") for wg, ref in found.policies.items()}
+    optims = {wg: ref.artifact for wg, ref in found.optims.items()}
+    publish(store, path, policies, found.next_iteration - 1, **policy_set(store, path.rsplit("/", 1)[0], policy_refs, optims))

@@ -6,8 +6,8 @@ kubernetes-validate's strict schemas of the newest Kubernetes it ships; KubeRay'
 RayCluster/RayJob with the hand-written schemas in manifests/schemas, whose pod templates
 refer to the same core definitions. On top of the schemas, `problems` holds the rules of
 the project: resources, non-root, no privilege escalation, dropped capabilities, pinned
-images, least RBAC, placeholder-only secrets, references that resolve. Deliberately broken
-copies show that every rule can fail.
+images, least RBAC, no API token in a pod that does not use the API, placeholder-only
+secrets, references that resolve. Deliberately broken copies show that every rule can fail.
 """
 
 from __future__ import annotations
@@ -286,13 +286,23 @@ def resource_problems(where: str, resources: dict | None) -> list[str]:
     ]
 
 
+def uses_the_api(where: str, doc: dict) -> bool:
+    """Whether a pod talks to the Kubernetes API: only the head of an autoscaling Ray
+    cluster does (its autoscaler sidecar resizes the worker group with the head's token)."""
+    cluster = doc.get("spec", {})
+    cluster = cluster.get("rayClusterSpec", cluster) if doc.get("kind") == "RayJob" else cluster
+    return where.endswith("/head") and bool(cluster.get("enableInTreeAutoscaling"))
+
+
 def pod_problems(docs: list[dict]) -> list[str]:
     problems = []
-    for where, template, _ in all_templates(docs):
+    for where, template, doc in all_templates(docs):
         spec = template.get("spec") or {}
         pod_context = spec.get("securityContext") or {}
         if not spec.get("containers"):
             problems.append(f"{where}: no containers")
+        if spec.get("automountServiceAccountToken") is not False and not uses_the_api(where, doc):
+            problems.append(f"{where}: mounts a ServiceAccount token it never uses (automountServiceAccountToken)")
         if pod_context.get("seccompProfile", {}).get("type") != "RuntimeDefault":
             problems.append(f"{where}: seccompProfile is not RuntimeDefault")
         for flag in ("hostNetwork", "hostPID", "hostIPC"):
@@ -726,6 +736,10 @@ def _mlflow_file_store(docs: list[dict]) -> None:
     container["args"].append("--backend-store-uri=./mlruns")
 
 
+def _mount_an_unused_token(docs: list[dict]) -> None:
+    del one(docs, "Deployment", "mlflow")["spec"]["template"]["spec"]["automountServiceAccountToken"]
+
+
 def _autoscaler_unbounded(docs: list[dict]) -> None:
     del one(docs, "RayCluster")["spec"]["autoscalerOptions"]["resources"]
 
@@ -747,6 +761,7 @@ BREAKAGES: dict[str, tuple[Callable[[list[dict]], None], str]] = {
     "create on pods": (_create_pods, "not allowed"),
     "env from a missing secret key": (_missing_secret_key, "refers to missing"),
     "autoscaler sidecar without resources": (_autoscaler_unbounded, "autoscaler: no resources"),
+    "API token mounted where no API is used": (_mount_an_unused_token, "mounts a ServiceAccount token it never uses"),
     "MLflow on a file store": (_mlflow_file_store, "not a database"),
 }
 

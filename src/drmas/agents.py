@@ -14,6 +14,12 @@ Write your own by implementing the two methods; an orchestra lists its agents by
         def parse(self, response: str) -> Parsed:
             return Parsed(text=response.strip(), is_valid=bool(response.strip()))
 
+An answer (a boxed result, a query, a final answer) must also be plain text: invisible
+characters (zero-width spaces, direction marks, other control or format characters),
+private-use or unassigned code points and fullwidth look-alikes make the call malformed.
+Such an answer can read as right to a person and still not match, or match only through a
+lenient parser; either way the output is not in the format the role asks for.
+
 The built-in prompts paraphrase the reference code's (Dr. MAS) in a line each: every
 prompt token costs compute in every rollout and update, and the small models that train on
 CPU learn the roles from demonstrations, not from instructions.
@@ -22,6 +28,7 @@ CPU learn the roles from demonstrations, not from instructions.
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,9 +44,13 @@ __all__ = [
     "SearchAgent",
     "SolverAgent",
     "find_tag",
+    "is_plain",
 ]
 
 CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]")
+HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Co", "Cn", "Cs"})
+"""Unicode categories that do not belong in an answer: control, format (zero-width,
+direction marks), private use, unassigned, surrogate."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,16 @@ def find_tag(text: str, tag: str) -> str | None:
     close = text.rfind(f"</{tag}>")
     start = text.rfind(f"<{tag}>", 0, close) if close >= 0 else -1
     return text[start + len(tag) + 2 : close].strip() if start >= 0 else None
+
+
+def is_plain(text: str) -> bool:
+    """Whether ``text`` has no hidden, private or fullwidth characters (whitespace such as
+    newlines and tabs is fine)."""
+    return not any(
+        (unicodedata.category(char) in HIDDEN_CATEGORIES and not char.isspace())
+        or unicodedata.east_asian_width(char) == "F"
+        for char in text
+    )
 
 
 def _one_think_block(text: str) -> bool:
@@ -105,7 +126,8 @@ class SolverAgent:
         )
 
     def parse(self, response: str) -> Parsed:
-        return Parsed(text=response, is_valid=extract_boxed(response) is not None)
+        answer = extract_boxed(response)
+        return Parsed(text=response, is_valid=answer is not None and is_plain(answer))
 
 
 class MathVerifierAgent:
@@ -135,9 +157,17 @@ def _verdict(response: str, options: tuple[str, str]) -> Parsed:
 
 
 def _tagged_after_thinking(response: str, tag: str) -> Parsed:
-    """The content of <tag>, valid with exactly one think block before it (reference rule)."""
+    """The content of <tag>, valid with exactly one think block before it (reference rule),
+    plain, and with no nested <tag> or </tag> inside it."""
     content = find_tag(response, tag)
-    well_formed = content is not None and _one_think_block(response) and not CJK.search(response)
+    well_formed = (
+        content is not None
+        and is_plain(content)
+        and f"<{tag}>" not in content
+        and f"</{tag}>" not in content
+        and _one_think_block(response)
+        and not CJK.search(response)
+    )
     return Parsed(text=content or "", is_valid=well_formed)
 
 

@@ -13,14 +13,17 @@ stage is deterministic given its inputs, the resumed run is the run that was nev
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
-from drmas.config import DrmasConfig
+from drmas.config import DrmasConfig, WorkerGroup, weights_problem
 from drmas.layout import StageResult, init_policy_path, optim_path, policy_path, run_path, stage_path
+from drmas.models import PolicyError
 from drmas.store import MANIFEST, ArtifactNotFound, CorruptArtifact, Store
 from drmas.workers import PolicyRef
 
-__all__ = ["ResumePoint", "checkpoint", "resume_point"]
+__all__ = ["ResumePoint", "check_policy", "checkpoint", "read_checkpoint", "resume_point"]
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,8 @@ def resume_point(config: DrmasConfig, store: Store, run_id: str) -> ResumePoint:
     """The state after the last complete iteration, or the initial policies.
 
     A checkpoint whose policies or optimizer states changed or vanished since it was
-    written is refused with the path and the reason (CorruptArtifact), never skipped.
+    written is refused with the path and the reason (CorruptArtifact), never skipped; so
+    is a policy that is not the worker group's model (PolicyError, see ``check_policy``).
     """
     experiment = config.experiment.name
     done = [
@@ -68,19 +72,68 @@ def resume_point(config: DrmasConfig, store: Store, run_id: str) -> ResumePoint:
     if not done:
         policies = {wg: PolicyRef(init_policy_path(experiment, run_id, wg)) for wg in groups}
         return ResumePoint(0, policies, {wg: None for wg in groups})
-    last = max(done)
-    record = store.open(stage_path(experiment, run_id, last, "checkpoint")).read_json("checkpoint.json")
+    return read_checkpoint(config, store, stage_path(experiment, run_id, max(done), "checkpoint"))
+
+
+def read_checkpoint(config: DrmasConfig, store: Store, path: str) -> ResumePoint:
+    """What the checkpoint artifact at ``path`` names, each part checked: every worker
+    group's policy and optimizer state present and unchanged since the checkpoint was
+    written (CorruptArtifact otherwise), and each policy the group's model (``check_policy``)."""
+    where = store.uri(path)
+    record = store.open(path).read_json("checkpoint.json")
     policies, optims = {}, {}
-    for wg in groups:
-        entry = record["worker_groups"].get(wg)
+    for group in config.worker_groups():
+        entry = record["worker_groups"].get(group.name)
         if entry is None:
-            raise CorruptArtifact(f"checkpoint of iteration {last} has no worker group {wg!r} (config changed?)")
+            raise CorruptArtifact(f"{where} has no worker group {group.name!r} (config changed?)")
         for kind in ("policy", "optim"):
             try:
                 found = store.fingerprint(entry[kind])
             except ArtifactNotFound:
-                raise CorruptArtifact(f"{store.uri(entry[kind])}: named by the checkpoint of iteration {last} but missing") from None
+                raise CorruptArtifact(f"{store.uri(entry[kind])}: named by {where} but missing") from None
             if found != entry[f"{kind}_manifest"]:
-                raise CorruptArtifact(f"{store.uri(entry[kind], MANIFEST)}: differs from what the checkpoint of iteration {last} recorded")
-        policies[wg], optims[wg] = PolicyRef(entry["policy"]), PolicyRef(entry["optim"])
-    return ResumePoint(last + 1, policies, optims)
+                raise CorruptArtifact(f"{store.uri(entry[kind], MANIFEST)}: differs from what {where} recorded")
+        policies[group.name], optims[group.name] = PolicyRef(entry["policy"]), PolicyRef(entry["optim"])
+        check_policy(group, store, policies[group.name])
+    return ResumePoint(record["iteration"] + 1, policies, optims)
+
+
+ARCHITECTURE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+"""The fields of a policy's config.json that say which model it is."""
+
+
+def check_policy(group: WorkerGroup, store: Store, policy: PolicyRef) -> None:
+    """Refuse, from its manifest and config.json alone (before any weights are read), a
+    policy that the worker group must not load: weights that are not safetensors, or the
+    checkpoint of another model (an architecture other than the group's model spec, or
+    than the config.json of the local folder it names). Hub models are not compared: what
+    they are is known only once downloaded."""
+    artifact = store.open(policy.artifact)
+    prefix = policy.prefix.rstrip("/") + "/" if policy.prefix else ""
+    names = [name[len(prefix) :] for name in artifact.files if name.startswith(prefix) and "/" not in name[len(prefix) :]]
+    where = store.uri(policy.artifact, policy.prefix or None)
+    if problem := weights_problem(names):
+        raise PolicyError(f"{where}: {problem}")
+    expected = _expected_architecture(group)
+    if expected is None:
+        return
+    found = artifact.read_json(f"{prefix}config.json")
+    differences = [f"{key} {found.get(key)!r} (expected {value!r})" for key, value in expected.items() if found.get(key) != value]
+    if differences:
+        raise PolicyError(
+            f"{where}: the checkpoint of another model: {', '.join(differences)} "
+            f"(worker group {group.name!r} has model {group.model!r})"
+        )
+
+
+def _expected_architecture(group: WorkerGroup) -> dict[str, object] | None:
+    """The architecture fields a policy of this worker group has, where the config says."""
+    spec = group.spec
+    if spec is not None and spec.source == "scratch":
+        values = (spec.architecture, spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.intermediate_size)
+        return dict(zip(ARCHITECTURE_KEYS, values, strict=True))
+    source = Path(spec.source if spec is not None else group.model).expanduser()
+    if not (source / "config.json").is_file():
+        return None
+    config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    return {key: config[key] for key in ARCHITECTURE_KEYS if key in config}

@@ -129,8 +129,31 @@ def main(argv: list[str] | None = None) -> int:
 def _fail(command: str, message: object, status: int = 1) -> int:
     """Say on stderr why ``drmas COMMAND`` stops, and return its exit status: every
     handler's failures read the same way (``drmas COMMAND: ...``)."""
-    print(f"drmas {command}: {message}", file=sys.stderr)
+    print(f"drmas {command}: {_underlying(message)}", file=sys.stderr)
     return status
+
+
+def _underlying(error: object) -> object:
+    """The exception a Ray task raised rather than Ray's wrapper around it, whose text is
+    the remote traceback: the user needs the reason, which the cause's message gives."""
+    ray_exceptions = sys.modules.get("ray.exceptions")
+    while ray_exceptions is not None and isinstance(error, ray_exceptions.RayTaskError) and isinstance(error.cause, BaseException):
+        error = error.cause
+    return error
+
+
+def _check_inputs(config: DrmasConfig) -> None:
+    """Read the question sets (and a search corpus) before anything is written or started,
+    so that a bad data file stops the command with its DataError (file, row, reason), not
+    after a run was recorded or Ray was started."""
+    from drmas.rollout import task_questions  # noqa: PLC0415
+
+    for split in ("train", "eval"):
+        task_questions(config, split)
+    if config.task.name == "search":
+        from drmas.tasks.search import corpus_for  # noqa: PLC0415
+
+        corpus_for(config.data, config.experiment.seed)
 
 
 def _load(args: argparse.Namespace, logs: bool = True) -> DrmasConfig:
@@ -175,12 +198,16 @@ def _run(args: argparse.Namespace) -> int:
 
     config, run_id = _start_run(args)
     try:
+        _check_inputs(config)
+    except ValueError as error:
+        return _fail("run", error)
+    try:
         store = Store.from_config(config.store)
         config = open_run(config, store, run_id, resume=args.resume is not None)
         print(f"run {run_id}: {config.experiment.iterations} iterations, store {store.uri(config.experiment.name)}/{run_id}")
         summary = train(config, store, run_id, cache_dir=Path(".cache") / "drmas", config_path=args.config)
     except (StoreError, ValueError) as error:
-        return _fail("run", f"cannot continue run {run_id}: {error}")
+        return _fail("run", f"cannot continue run {run_id}: {_underlying(error)}")
     except KeyboardInterrupt:
         return _fail("run", f"interrupted; resume with: drmas run {args.config} --resume {run_id}", 130)
     if summary.iterations_run == 0:
@@ -237,9 +264,10 @@ def _eval(args: argparse.Namespace) -> int:
     from drmas.workers import PolicyRef  # noqa: PLC0415
 
     config = _load(args)
-    store = Store.from_config(config.store)
     experiment = config.experiment.name
     try:
+        _check_inputs(config)
+        store = Store.from_config(config.store)
         iteration = args.iteration
         if iteration is None:
             from drmas.checkpoint import resume_point  # noqa: PLC0415

@@ -34,6 +34,8 @@ __all__ = [
     "WorkerGroup",
     "apply_overrides",
     "load_config",
+    "local_model_problem",
+    "weights_problem",
 ]
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
@@ -146,8 +148,10 @@ class ModelSpec(Section):
 
     @model_validator(mode="after")
     def _buildable(self) -> ModelSpec:
-        if _looks_local(self.source) and not Path(self.source).expanduser().is_dir():
-            raise ValueError(f"source {self.source!r} looks like a local folder but does not exist")
+        if _looks_local(self.source):
+            problem = local_model_problem(Path(self.source).expanduser())
+            if problem:
+                raise ValueError(f"source {self.source!r} {problem}")
         if self.source == "scratch":
             if self.hidden_size % self.num_heads:
                 raise ValueError(
@@ -336,6 +340,17 @@ class TrackingConfig(Section):
     experiment: str | None = None
     """MLflow experiment name; unset: experiment.name."""
 
+    @field_validator("uri")
+    @classmethod
+    def _uri_without_credentials(cls, value: str | None) -> str | None:
+        """The URI is logged and stored with the config: a password in it would leak."""
+        if value is not None and re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://[^/@\s]*@", value):
+            raise ValueError(
+                "must not hold credentials (user:password@); give them in "
+                "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN"
+            )
+        return value
+
 
 class RayConfig(Section):
     address: str | None = None
@@ -418,11 +433,14 @@ class DrmasConfig(Section):
         ]
         for index, agent in enumerate(self.agents):
             if agent.model not in self.models and _looks_local(agent.model):
-                if not Path(agent.model).expanduser().exists():
+                folder = Path(agent.model).expanduser()
+                if not folder.exists():
                     problems.append(
                         f"agents[{index}].model: {agent.model!r} is neither a key of models "
                         f"({', '.join(self.models) or 'none defined'}) nor an existing folder"
                     )
+                elif problem := local_model_problem(folder):
+                    problems.append(f"agents[{index}].model: {agent.model!r} {problem}")
         return problems
 
     def _worker_group_problems(self) -> list[str]:
@@ -716,6 +734,41 @@ def _did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
 
 def _looks_local(model: str) -> bool:
     return model.startswith(("/", "./", "../", "~"))
+
+
+SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+"""The weight files drmas loads: one safetensors file, or the index of sharded ones."""
+PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+"""Suffixes of pickled weights (``pytorch_model.bin``, ``*.pt``): loading one runs code."""
+
+
+def weights_problem(names: typing.Iterable[str]) -> str | None:
+    """Why drmas will not load the weights of a model folder holding these files, or None.
+
+    Weights load only from safetensors: a pickle runs whatever code it holds when it is
+    loaded, so a folder with only pickled weights is refused, never opened or converted.
+    """
+    names = sorted(names)
+    if any(name in SAFE_WEIGHTS for name in names):
+        return None
+    pickled = [name for name in names if name.endswith(PICKLED_WEIGHTS)]
+    if pickled:
+        return (
+            f"has pickled weights ({', '.join(pickled)}) and no model.safetensors; drmas loads "
+            "weights only from safetensors (a pickle runs code when it is loaded)"
+        )
+    return "has no model.safetensors (no weights)"
+
+
+def local_model_problem(folder: Path) -> str | None:
+    """Why a local model folder cannot be a drmas policy, or None; checked at config time so
+    that a wrong path fails before anything runs."""
+    if not folder.is_dir():
+        return "looks like a local folder but does not exist"
+    names = [path.name for path in folder.iterdir()]
+    if "config.json" not in names:
+        return "has no config.json (not a Hugging Face model folder)"
+    return weights_problem(names)
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, str]:

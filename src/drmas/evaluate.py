@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pyarrow as pa
 
+from drmas.checkpoint import check_policy
 from drmas.config import DrmasConfig
 from drmas.episodes import Episode
 from drmas.layout import StageResult
@@ -50,10 +51,16 @@ def evaluate(
     overwrite: bool = False,
     cache_key: str = "",
 ) -> StageResult:
-    """Evaluate ``policies`` on the eval split; write ``{path}/eval.parquet`` and metrics."""
+    """Evaluate ``policies`` on the eval split; write ``{path}/eval.parquet`` and metrics.
+
+    Each policy is checked first (``check_policy``): a checkpoint of another model or with
+    pickled weights is refused with its path before any worker group loads it.
+    """
     started = time.perf_counter()
     k = config.eval.k
     questions = task_questions(config, "eval")[: config.eval.max_questions]
+    for group in config.worker_groups():
+        check_policy(group, store, policies[group.name])
     pool.load(policies)
     orchestra, team = build_team(config, task_tools(config, store), pool, seed=config.experiment.seed + 7919)
     team.sampling = {agent.name: config.eval.sampling for agent in config.agents}

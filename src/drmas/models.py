@@ -4,21 +4,29 @@ Scratch models are what make CPU training possible: a Qwen3- or Llama-shaped dec
 about a million parameters with a byte-level BPE tokenizer trained on the task's own
 text, digits split one per token (arithmetic is learnable that way; see ENVIRONMENT.md).
 Everything is saved in the Hugging Face layout, so ``AutoModelForCausalLM.from_pretrained``
-loads it, and weights are only ever read from safetensors.
+loads it. A policy folder is input (it comes from a store, a hub or a user): weights are
+only ever read from safetensors, never with code from the folder, and a folder that cannot
+be loaded raises :class:`PolicyError` naming the folder and the reason.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers import PreTrainedTokenizerBase as Tokenizer
 
-from drmas.config import ModelSpec
+from drmas.config import ModelSpec, weights_problem
 
-__all__ = ["build_scratch_policy", "chat_turn", "load_model", "load_tokenizer", "train_tokenizer"]
+__all__ = ["PolicyError", "build_scratch_policy", "chat_turn", "load_model", "load_tokenizer", "train_tokenizer"]
+
+
+class PolicyError(ValueError):
+    """A policy (model folder or artifact) that drmas will not load; the message says where
+    it is and why."""
 
 END_OF_TEXT = "<|endoftext|>"
 TURN_START = "<|im_start|>"
@@ -108,16 +116,35 @@ def _scratch_model(spec: ModelSpec, tokenizer: Tokenizer, seed: int) -> PreTrain
 
 def load_tokenizer(source: str | Path) -> Tokenizer:
     """A tokenizer from a hub id or a folder, left-padding (generation pads on the left)."""
-    tokenizer = AutoTokenizer.from_pretrained(str(source), padding_side="left")
+    with _refused_as_policy_error(source):
+        tokenizer = AutoTokenizer.from_pretrained(str(source), padding_side="left", trust_remote_code=False)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
 def load_model(source: str | Path, dtype: str = "float32") -> PreTrainedModel:
-    """A causal LM from a hub id or a folder, from safetensors only (never a pickle)."""
-    model = AutoModelForCausalLM.from_pretrained(
-        str(source), dtype=getattr(torch, dtype), use_safetensors=True
-    )
+    """A causal LM from a hub id or a folder: from safetensors only and without the folder's
+    own code (``trust_remote_code`` stays off), since either would run what the folder holds."""
+    folder = Path(source)
+    if folder.is_dir() and (problem := weights_problem(path.name for path in folder.iterdir())):
+        raise PolicyError(f"{source}: {problem}")
+    with _refused_as_policy_error(source):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(source), dtype=getattr(torch, dtype), use_safetensors=True, trust_remote_code=False
+        )
     model.eval()
     return model
+
+
+@contextmanager
+def _refused_as_policy_error(source: str | Path) -> Iterator[None]:
+    """What transformers and safetensors raise for a folder they cannot load (missing or
+    damaged files, an unknown architecture, code it would have to run), as a PolicyError."""
+    from safetensors import SafetensorError  # noqa: PLC0415
+
+    try:
+        yield
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise PolicyError(f"{source}: not a loadable policy ({reason})") from None

@@ -40,10 +40,11 @@ ACTOR_RESTART_TIMEOUT_S = 120.0
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "disabled",
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     # Ray starts workers at nice 15; the generating actors ARE the work, not background.
     "RAY_worker_niceness": "0",
 }
+LOOPBACK_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Set to 0, a local Ray binds every server to 127.0.0.1 (Ray reads it when imported)."""
 
 
 class WorkerGroupDied(RuntimeError):
@@ -55,15 +56,18 @@ def connect_ray(config: DrmasConfig, temp_dir: Path | None = None) -> bool:
 
     A caller that started Ray shuts it down with ``ray.shutdown()`` (never ``ray stop``).
     """
-    import ray  # noqa: PLC0415
-
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
+    if not config.ray.address:
+        os.environ.setdefault(LOOPBACK_ONLY, "0")
+    import ray  # noqa: PLC0415
+
     if ray.is_initialized():
         return False
     if config.ray.address:
         ray.init(address=config.ray.address, log_to_driver=False)
         return True
+    _keep_local_ray_on_loopback()
     temp = _ray_temp_dir(temp_dir)
     temp.mkdir(parents=True, exist_ok=True)
     ray.init(
@@ -74,6 +78,15 @@ def connect_ray(config: DrmasConfig, temp_dir: Path | None = None) -> bool:
         configure_logging=False,
     )
     return True
+
+
+def _keep_local_ray_on_loopback() -> None:
+    """Ray read ``LOOPBACK_ONLY`` when first imported, which may have been before
+    ``connect_ray`` set it (a test, a notebook): apply it to the constant it was read into."""
+    from ray._private import ray_constants  # noqa: PLC0415
+
+    if os.environ.get(LOOPBACK_ONLY) == "0":
+        ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def _ray_temp_dir(preferred: Path | None) -> Path:

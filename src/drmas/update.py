@@ -44,7 +44,7 @@ from drmas.config import DrmasConfig, WorkerGroup
 from drmas.layout import StageResult, optim_path, policy_path, stage_path
 from drmas.models import load_model, load_tokenizer
 from drmas.schema import BATCH_SCHEMA
-from drmas.store import Store
+from drmas.store import CorruptArtifact, Store
 from drmas.workers import PolicyRef
 
 __all__ = ["MicroBatch", "TrainState", "micro_batches", "update"]
@@ -290,16 +290,12 @@ class DeepSpeedEngine(TorchEngine):
 
 
 def _ensure_process_group() -> None:
-    """DeepSpeed needs a process group even alone: a one-process gloo group on 127.0.0.1."""
+    """DeepSpeed needs a process group even alone: a one-process gloo group whose
+    rendezvous is an in-memory store (a TCPStore would listen on every interface)."""
     if dist.is_initialized():
         return
-    import socket  # noqa: PLC0415
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed checks that a launcher set it
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def make_engine(model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> TorchEngine:
@@ -350,19 +346,37 @@ def _restore_scheduler(scheduler: Any, optimizer: Any, meta: dict[str, Any]) -> 
 
 
 def restore_state(state: TrainState, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    """Load ``state`` into the optimizer; a state of another model (parameters this model
+    does not have, or shapes other than its own) is refused before anything is applied."""
     params = dict(model.named_parameters())
+    if problem := _state_mismatch(state, params):
+        raise ValueError(problem)
     for name, param in params.items():
         if name not in state.meta["steps"]:
             continue
         slot = optimizer.state[param]
         slot["step"] = torch.tensor(state.meta["steps"][name])
         for key in ("exp_avg", "exp_avg_sq"):
-            saved = state.tensors.get(f"optim/{name}/{key}")
-            if saved is None or saved.shape != param.shape:
-                raise ValueError(f"optimizer state for {name}.{key} is missing or has another shape")
-            slot[key] = saved.clone()
+            slot[key] = state.tensors[f"optim/{name}/{key}"].clone()
     _restore_scheduler(scheduler, optimizer, state.meta)
     torch.set_rng_state(state.tensors["rng/torch"])
+
+
+def _state_mismatch(state: TrainState, params: dict[str, torch.nn.Parameter]) -> str | None:
+    """How a saved optimizer state fails to fit these parameters, or None."""
+    foreign = sorted(set(state.meta["steps"]) - set(params))
+    if foreign:
+        return (
+            f"it holds state for {len(foreign)} parameter(s) this model does not have "
+            f"(e.g. {foreign[0]!r}): the optimizer state of another model"
+        )
+    for name in state.meta["steps"]:
+        for key in ("exp_avg", "exp_avg_sq"):
+            saved = state.tensors.get(f"optim/{name}/{key}")
+            if saved is None or saved.shape != params[name].shape:
+                found = "missing" if saved is None else f"of shape {tuple(saved.shape)}"
+                return f"the state for {name}.{key} is {found}, but the parameter has shape {tuple(params[name].shape)}"
+    return None
 
 
 def save_state(state: TrainState, folder: Path) -> None:
@@ -374,9 +388,36 @@ def save_state(state: TrainState, folder: Path) -> None:
 
 
 def load_state(folder: Path) -> TrainState:
+    """The state ``save_state`` wrote; ValueError (naming the file) for anything else.
+
+    Tensors come from safetensors and the rest from JSON: nothing is unpickled, so a
+    pickle planted in their place is refused, never run.
+    """
+    from safetensors import SafetensorError  # noqa: PLC0415
     from safetensors.torch import load_file  # noqa: PLC0415
 
-    return TrainState(load_file(str(folder / "optimizer.safetensors")), json.loads((folder / "state.json").read_text()))
+    try:
+        tensors = load_file(str(folder / "optimizer.safetensors"))
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"optimizer.safetensors is not a safetensors file ({error})") from None
+    try:
+        meta = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"state.json is not readable JSON ({error})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("steps"), dict) or "rng/torch" not in tensors:
+        raise ValueError("not an optimizer state drmas wrote (state.json without 'steps' or no RNG state)")
+    return TrainState(tensors, meta)
+
+
+def _import_stored_state(engine: TorchEngine, store: Store, optim: PolicyRef, scratch: Path) -> None:
+    """Give ``engine`` the optimizer state stored at ``optim``; a state that cannot be read,
+    or that belongs to another model, is refused with its URI (CorruptArtifact)."""
+    artifact = store.open(optim.artifact)
+    where = store.uri(optim.artifact, optim.prefix or None)
+    try:
+        engine.import_state(load_state(artifact.download(scratch, prefix=optim.prefix)))
+    except (ValueError, KeyError, RuntimeError) as error:
+        raise CorruptArtifact(f"{where}: cannot resume the optimizer from it: {error}") from None
 
 
 # --------------------------------------------------------------------------------------
@@ -410,8 +451,7 @@ def update(
         tokenizer = load_tokenizer(local)
         engine = make_engine(model, group, config)
         if optim is not None:
-            state_dir = store.open(optim.artifact).download(Path(scratch) / "optim", prefix=optim.prefix)
-            engine.import_state(load_state(state_dir))
+            _import_stored_state(engine, store, optim, Path(scratch) / "optim")
         else:  # the first update: its RNG (saved with the state) must not depend on the process's past
             torch.manual_seed(zlib.crc32(f"{config.experiment.seed}/{wg}".encode()))
         ref_model = _reference(config, store, reference, Path(scratch), dtype)

@@ -19,7 +19,7 @@ import torch
 
 from drmas.config import SamplingConfig, StoreConfig
 from drmas.engines import make_engine
-from drmas.models import load_tokenizer
+from drmas.models import PolicyError, load_tokenizer
 from drmas.store import Store
 
 __all__ = ["GenerationResult", "PolicyNotLoaded", "PolicyRef", "WorkerGroupRuntime"]
@@ -94,9 +94,12 @@ class WorkerGroupRuntime:
             shutil.rmtree(staging, ignore_errors=True)
             artifact.download(staging, prefix=policy.prefix)
             staging.rename(local)
-        self.tokenizer = load_tokenizer(local)
+        try:
+            self.tokenizer = load_tokenizer(local)
+            self.engine.load(local)
+        except PolicyError as error:  # it names the local cache: say where the policy is stored
+            raise PolicyError(f"{artifact.uri}: {str(error).removeprefix(f'{local}: ')}") from None
         self.stop_ids = _stop_ids(self.tokenizer)
-        self.engine.load(local)
         self.version = version
         return True
 

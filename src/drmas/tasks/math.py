@@ -109,7 +109,7 @@ _FRAC_TWO_TOKENS = re.compile(r"\\frac(\w)(\w)")
 _FRAC_BARE_NUMERATOR = re.compile(r"\\frac(\w)\{")
 _FRAC_BARE_DENOMINATOR = re.compile(r"(\\frac\{[^{}]*\})(\w)")
 _SQRT_BARE = re.compile(r"\\sqrt(\w)")
-_THOUSANDS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_THOUSANDS = re.compile(r"[+-]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?")
 
 
 def _unwrap_text_commands(text: str) -> str:
@@ -173,7 +173,9 @@ def normalize_answer(text: str) -> str:
     return s
 
 
-_NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)"
+_NUMBER = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+"""ASCII digits only: Fraction would read other scripts' digits (fullwidth ８５ as 85), which
+the reference's checker does not, and which a person may not see as a different text."""
 _DECIMAL = re.compile(_NUMBER)
 _SLASH = re.compile(rf"({_NUMBER})/({_NUMBER})")
 _LATEX_FRAC = re.compile(rf"([+-]?)\\frac\{{({_NUMBER})\}}\{{({_NUMBER})\}}")
@@ -471,9 +473,10 @@ def _gold_answers(value: Any) -> tuple[str, ...]:
 def _row_question(
     row: dict[str, Any], index: int, label: str, path: Path, data: DataConfig
 ) -> Question:
-    question = _question_text(_lookup(row, data.question_field))
+    raw_question = _lookup(row, data.question_field)
+    question = _question_text(raw_question)
     if not question:
-        raise DataError(f"{path}: {label}: empty or missing question ({data.question_field!r})")
+        raise DataError(f"{path}: {label}: empty or missing question ({data.question_field!r}{_not_text(raw_question)})")
     answers = _gold_answers(_lookup(row, data.answer_field))
     if not answers:
         raise DataError(f"{path}: {label}: missing or empty answer ({data.answer_field!r})")
@@ -485,6 +488,15 @@ def _row_question(
         answers=answers,
         data_source=source if isinstance(source, str) and source else path.stem,
     )
+
+
+def _not_text(value: Any) -> str:
+    """``: a number, not text`` for a question of the wrong type (the type and a short
+    repr), so that the message does not call a present value missing; else nothing."""
+    if value is _MISSING or isinstance(value, (str, list)):
+        return ""
+    shown = repr(value)
+    return f": {type(value).__name__} {shown if len(shown) <= 40 else shown[:37] + '...'}, not text"
 
 
 def _load_file(spec: str, data: DataConfig) -> list[Question]:

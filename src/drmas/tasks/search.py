@@ -444,12 +444,14 @@ def normalize_answer(text: str) -> str:
 def exact_match(prediction: str | None, answers: Sequence[str]) -> float:
     """1.0 if the normalised prediction equals any normalised gold answer, else 0.0.
 
-    No answer (None) scores 0, as an episode that never answered does.
+    No answer (None) scores 0, as an episode that never answered does; so does an answer
+    that normalises to nothing ("", "the", "."), which would otherwise match a gold answer
+    that does too.
     """
     if prediction is None:
         return 0.0
     guess = normalize_answer(prediction)
-    return float(any(guess == normalize_answer(answer) for answer in answers))
+    return float(bool(guess) and any(guess == normalize_answer(answer) for answer in answers))
 
 
 # --------------------------------------------------------------------------------------
