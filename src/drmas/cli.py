@@ -133,6 +133,17 @@ def _fail(command: str, message: object, status: int = 1) -> int:
     return status
 
 
+def _stopping_errors() -> tuple[type[Exception], ...]:
+    """What stops a training command with a message rather than a traceback: bad input or
+    a damaged store (ValueError, StoreError), an MLflow server that cannot open the run,
+    a worker group whose actor kept dying."""
+    from drmas.pool import WorkerGroupDied  # noqa: PLC0415
+    from drmas.store import StoreError  # noqa: PLC0415
+    from drmas.tracking import TrackingUnavailable  # noqa: PLC0415
+
+    return StoreError, ValueError, TrackingUnavailable, WorkerGroupDied
+
+
 def _underlying(error: object) -> object:
     """The exception a Ray task raised rather than Ray's wrapper around it, whose text is
     the remote traceback: the user needs the reason, which the cause's message gives."""
@@ -162,6 +173,7 @@ def _load(args: argparse.Namespace, logs: bool = True) -> DrmasConfig:
     for the commands that run stages."""
     if logs:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+        logging.getLogger("urllib3").setLevel(logging.ERROR)  # drmas reports MLflow outages itself
     return load_config(args.config, args.overrides)
 
 
@@ -194,7 +206,7 @@ def _config(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from drmas.runner import open_run, summary_table, train  # noqa: PLC0415
-    from drmas.store import Store, StoreError  # noqa: PLC0415
+    from drmas.store import Store  # noqa: PLC0415
 
     config, run_id = _start_run(args)
     try:
@@ -206,7 +218,7 @@ def _run(args: argparse.Namespace) -> int:
         config = open_run(config, store, run_id, resume=args.resume is not None)
         print(f"run {run_id}: {config.experiment.iterations} iterations, store {store.uri(config.experiment.name)}/{run_id}")
         summary = train(config, store, run_id, cache_dir=Path(".cache") / "drmas", config_path=args.config)
-    except (StoreError, ValueError) as error:
+    except _stopping_errors() as error:
         return _fail("run", f"cannot continue run {run_id}: {_underlying(error)}")
     except KeyboardInterrupt:
         return _fail("run", f"interrupted; resume with: drmas run {args.config} --resume {run_id}", 130)
@@ -221,14 +233,14 @@ def _run(args: argparse.Namespace) -> int:
 
 def _rerun(args: argparse.Namespace) -> int:
     from drmas.runner import open_run, rerun  # noqa: PLC0415
-    from drmas.store import Store, StoreError  # noqa: PLC0415
+    from drmas.store import Store  # noqa: PLC0415
 
     config = _load(args)
     try:
         store = Store.from_config(config.store)
         config = open_run(config, store, args.run_id, resume=True)
         result = rerun(config, store, args.run_id, args.iteration, args.stage, cache_dir=Path(".cache") / "drmas")
-    except (StoreError, ValueError) as error:
+    except _stopping_errors() as error:
         return _fail("rerun", error)
     print(f"recomputed: {', '.join(result.recomputed)}; cache hits: {', '.join(n for n in result.stages if n not in result.recomputed and not n.startswith('optim/'))}")
     return 0
@@ -236,7 +248,6 @@ def _rerun(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from drmas.compare import compare  # noqa: PLC0415
-    from drmas.store import StoreError  # noqa: PLC0415
 
     _load(args)  # validates the config and the overrides before any run starts
     modes = [mode.strip() for mode in args.advantage.split(",") if mode.strip()]
@@ -244,7 +255,7 @@ def _compare(args: argparse.Namespace) -> int:
         return _fail("compare", f"--advantage takes grpo and/or drmas (got {args.advantage!r}) and --seeds at least 1", 2)
     try:
         runs, report = compare(args.config, args.overrides, modes, list(range(args.seeds)), args.name, cache_dir=Path(".cache") / "drmas")
-    except (StoreError, ValueError) as error:
+    except _stopping_errors() as error:
         return _fail("compare", error)
     except KeyboardInterrupt:
         return _fail("compare", "interrupted; the same command continues where it stopped", 130)
@@ -260,7 +271,7 @@ def _eval(args: argparse.Namespace) -> int:
     from drmas.evaluate import evaluate  # noqa: PLC0415
     from drmas.layout import policy_path, stage_path  # noqa: PLC0415
     from drmas.pool import RayPool, connect_ray  # noqa: PLC0415
-    from drmas.store import Store, StoreError  # noqa: PLC0415
+    from drmas.store import Store  # noqa: PLC0415
     from drmas.workers import PolicyRef  # noqa: PLC0415
 
     config = _load(args)
@@ -290,7 +301,7 @@ def _eval(args: argparse.Namespace) -> int:
                     import ray  # noqa: PLC0415
 
                     ray.shutdown()
-    except (StoreError, ValueError) as error:
+    except _stopping_errors() as error:
         return _fail("eval", error)
     print(f"{store.uri(path)}")
     for key in sorted(metrics):

@@ -206,15 +206,15 @@ def train(config: DrmasConfig, store: Store, run_id: str, cache_dir: Path | None
         return RunSummary(run_id, 0, start.next_iteration - 1, {})
     tracker = Tracker(config, run_id, store.root, config_path)
     log.info("tracking: %s", tracker.url)
-    if start.next_iteration == 0:
-        _log_question_sets(config, tracker)
-    initial = starting_policies(config, store, run_id)
-    policies = initial if start.next_iteration == 0 else start.policies
-    optims = start.optims
     metrics: dict[str, float] = {}
     before: dict[str, float] = {}
     last_checkpoint = ""
     try:
+        if start.next_iteration == 0:
+            _log_question_sets(config, tracker)
+        initial = starting_policies(config, store, run_id)
+        policies = initial if start.next_iteration == 0 else start.policies
+        optims = start.optims
         with PoolOnDemand(config, store, cache_dir) as pool:
             if config.eval.every and start.next_iteration == 0:
                 path = f"{run_path(experiment, run_id)}/init/evaluate"
@@ -238,9 +238,7 @@ def train(config: DrmasConfig, store: Store, run_id: str, cache_dir: Path | None
     summary = RunSummary(run_id, total - start.next_iteration, total - 1, metrics, before, tracker.url, last_checkpoint)
     summary.report = _report(config, store, run_id, tracker, summary)
     tracker.register_policies({wg: store.uri(ref.artifact) for wg, ref in policies.items()}, total - 1)
-    tracker.finish()
-    if tracker.gaps:
-        log.warning("tracking: %d MLflow call(s) failed during the run; the store holds every result", tracker.gaps)
+    tracker.finish()  # it reports what MLflow lacks, if anything
     return summary
 
 
