@@ -33,7 +33,7 @@ from test_orchestras import ScriptedPool
 from drmas.advantage import advantage
 from drmas.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent
 from drmas.cli import main
-from drmas.config import DrmasConfig, load_config
+from drmas.config import load_config
 from drmas.evaluate import evaluate
 from drmas.layout import optim_path, policy_path, stage_path
 from drmas.models import PolicyError, load_model
@@ -299,17 +299,12 @@ def trained_run(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def run_copy(trained_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Store:
-    """A copy of the trained run's store (its recorded config moved with it), the working
+    """A copy of the trained run's store (a moved store is the same run), the working
     folder beside it, and Ray out of reach: every case here must stop before Ray starts."""
     shutil.copytree(trained_run, tmp_path / "runs")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("drmas.pool.connect_ray", refuse_ray)
-    store = Store(str(tmp_path / "runs"))
-    record = f"{EXPERIMENT}/{RUN}/run"
-    recorded = DrmasConfig.from_json(store.open(record).read_bytes("config.json").decode())
-    moved = recorded.model_copy(update={"store": recorded.store.model_copy(update={"root": store.root})})
-    rewrite(store, record, {"config.json": moved.to_json(indent=2).encode()})
-    return store
+    return Store(str(tmp_path / "runs"))
 
 
 def refuse_ray(*args: object) -> bool:

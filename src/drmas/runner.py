@@ -63,8 +63,10 @@ def _sample_calls(store: Store, rollout_path: str) -> dict[str, list]:
 def open_run(config: DrmasConfig, store: Store, run_id: str, resume: bool) -> DrmasConfig:
     """Record a new run's resolved config, or check a resumed run's against the record.
 
-    Only ``experiment.iterations`` may change on resume (to extend a run); anything else
-    would make the resumed run a different run, so it is refused with the fields named.
+    Only ``experiment.iterations`` may change on resume (to extend a run), and where the
+    run is stored and tracked (``store.*``, ``tracking.*``: a store moved or reached through
+    another endpoint is the same run); anything else would make the resumed run a
+    different run, so it is refused with the fields named.
     """
     path = f"{run_path(config.experiment.name, run_id)}/run"
     if not store.exists(path):
@@ -78,10 +80,14 @@ def open_run(config: DrmasConfig, store: Store, run_id: str, resume: bool) -> Dr
     recorded = DrmasConfig.from_json(store.open(path).read_bytes("config.json").decode())
     theirs = recorded.flat_params()
     ours = config.flat_params()
-    changed = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k) and k != "experiment.iterations")
+    changed = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k) and not _may_change_on_resume(k))
     if changed:
         raise ConfigError([f"{key}: the run was started with {theirs.get(key)}, now {ours.get(key)}" for key in changed])
     return config
+
+
+def _may_change_on_resume(key: str) -> bool:
+    return key == "experiment.iterations" or key.startswith(("store.", "tracking."))
 
 
 class PoolOnDemand:

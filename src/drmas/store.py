@@ -15,19 +15,42 @@ whose size or hash differs from the manifest refuses it. The layout (DESIGN.md s
 S3 goes through ``pyarrow.fs.S3FileSystem`` against any endpoint (AWS, MinIO, SeaweedFS).
 Credentials come from the environment only (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``)
 and never appear in messages.
+
+S3 faults are retried at two levels. The AWS SDK retries each HTTP request (a 500/503, a
+dropped connection, a stall, a reply cut mid-body) twice, quickly, for a glitch; on top of
+that, every store operation (read or write of a whole object, listing, deleting) is
+retried whole, with jittered exponential back-off (0.2 s doubling to 8 s), until it
+succeeds or ``DRMAS_S3_RETRY_S`` seconds have passed: that rides out outages, throttling
+and streaks of faults longer than the SDK's three quick attempts. Writes put whole
+objects, so a retry after a lost reply rewrites the same bytes, and the manifest still
+goes last. A store that stays down fails the operation with a StoreError naming the
+endpoint after about ``DRMAS_S3_RETRY_S`` plus one last attempt (three requests, each
+given up after ``DRMAS_S3_REQUEST_TIMEOUT_S`` of silence; curl measures a reply that
+stalls mid-body by its average speed, so that one takes a few seconds longer). Wrong keys
+or a missing bucket are never retried, nor is an endpoint where nothing listens when the
+store is opened (a wrong address, not a fault). Settings, from the environment (so that
+Ray workers, which inherit it, use the same, and a resumed run may change them):
+
+    DRMAS_S3_REQUEST_TIMEOUT_S   seconds a request may stay silent before it is retried (30)
+    DRMAS_S3_RETRY_S             seconds an operation keeps being retried (120)
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
+import logging
 import os
 import posixpath
+import random
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -54,9 +77,20 @@ __all__ = [
 MANIFEST = "_MANIFEST.json"
 MANIFEST_FORMAT = "drmas.artifact/1"
 S3_CONNECT_TIMEOUT_S = 5.0
-S3_REQUEST_TIMEOUT_S = 60.0
-S3_MAX_ATTEMPTS = 4
-"""Bounded retries with back-off (the AWS SDK's standard strategy) for transient faults."""
+S3_REQUEST_ATTEMPTS = 3
+"""Attempts per HTTP request, 50 and 100 ms apart (the AWS SDK's default retry strategy):
+quick, for a glitch; longer outages are the whole-operation retries' job."""
+REQUEST_TIMEOUT_VARIABLE, REQUEST_TIMEOUT_DEFAULT_S = "DRMAS_S3_REQUEST_TIMEOUT_S", 30.0
+RETRY_WINDOW_VARIABLE, RETRY_WINDOW_DEFAULT_S = "DRMAS_S3_RETRY_S", 120.0
+FIRST_PAUSE_S, LONGEST_PAUSE_S = 0.2, 8.0
+"""Back-off between whole-operation attempts: doubling from the first pause, jittered."""
+PERMANENT_S3_ERRORS = ("ACCESS_DENIED", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket")
+"""Failures that a retry cannot fix: they are reported at once."""
+NOTHING_LISTENING = "curlCode: 7,"
+"""curl's code for a refused connection (CURLE_COULDNT_CONNECT)."""
+
+log = logging.getLogger(__name__)
+Result = TypeVar("Result")
 
 
 class StoreError(RuntimeError):
@@ -73,6 +107,10 @@ class ArtifactExists(StoreError):
 
 class CorruptArtifact(StoreError):
     """An artifact whose files do not match its manifest, or whose manifest is unreadable."""
+
+
+class NothingListening(OSError):
+    """A refused connection when the store is opened: a wrong endpoint, not a fault."""
 
 
 def iteration_path(experiment: str, run_id: str, iteration: int) -> str:
@@ -95,8 +133,10 @@ class Store:
         self.root = root.rstrip("/") if root.startswith("s3://") else str(Path(root).resolve())
         self.is_s3 = root.startswith("s3://")
         self.region = region
+        self.retry_window_s = 0.0
         if self.is_s3:
             self.endpoint = _resolve_endpoint(endpoint)
+            self.retry_window_s = _seconds_from_environment(RETRY_WINDOW_VARIABLE, RETRY_WINDOW_DEFAULT_S)
             self.fs, self.base = _s3_filesystem(self.root, self.endpoint, region), self.root[5:]
             self._check_bucket()
         else:
@@ -165,14 +205,10 @@ class Store:
             if info.type == pafs.FileType.File and posixpath.basename(info.path) == MANIFEST
         )
 
-    def delete(self, path: str) -> None:
+    def delete(self, path: str, retry: bool = True) -> None:
         """Remove an artifact: the manifest first (it disappears for readers), then files."""
-        absolute = self._abs(path)
-        manifest = self._abs(path, MANIFEST)
-        if self._call(self.fs.get_file_info, manifest).type == pafs.FileType.File:
-            self._call(self.fs.delete_file, manifest)
-        if self._call(self.fs.get_file_info, absolute).type == pafs.FileType.Directory:
-            self._call(self.fs.delete_dir, absolute)
+        self._call(self._delete_if_present, self._abs(path, MANIFEST), pafs.FileType.File, retry=retry)
+        self._call(self._delete_if_present, self._abs(path), pafs.FileType.Directory, retry=retry)
 
     # ----------------------------------------------------------------------------------
 
@@ -181,40 +217,79 @@ class Store:
         return "/".join(part for part in parts if part)
 
     def _read(self, absolute: str) -> bytes:
-        with self._call(self.fs.open_input_stream, absolute) as stream:
-            return stream.read()
+        """A whole file; on S3 a failed or cut transfer is read again from the start."""
+        return self._call(self._get, absolute)
 
     def _write(self, absolute: str, data: bytes) -> None:
+        """A whole file; on S3 a failed upload is put again, whole (PUT is idempotent)."""
         if not self.is_s3:
-            self.fs.create_dir(posixpath.dirname(absolute), recursive=True)
-        with self._call(self.fs.open_output_stream, absolute) as stream:
-            stream.write(data)
+            self._call(self.fs.create_dir, posixpath.dirname(absolute))
+        self._call(self._put, absolute, data)
 
     def _write_atomically(self, absolute: str, data: bytes) -> None:
         """S3 objects appear whole on upload; a local file is renamed into place."""
         if self.is_s3:
             self._write(absolute, data)
             return
-        temporary = f"{absolute}.tmp-{os.getpid()}"
-        self._write(temporary, data)
-        with open(temporary, "rb+") as handle:
-            os.fsync(handle.fileno())
-        self.fs.move(temporary, absolute)
+        self._call(self.fs.create_dir, posixpath.dirname(absolute))
+        self._call(_replace_atomically, absolute, data)
 
-    def _call(self, function, *args):
-        """Run a filesystem call, turning S3 failures into StoreErrors that say what to do."""
+    def _get(self, absolute: str) -> bytes:
+        with self.fs.open_input_stream(absolute) as stream:
+            return stream.read()
+
+    def _put(self, absolute: str, data: bytes) -> None:
+        with self.fs.open_output_stream(absolute) as stream:
+            stream.write(data)
+
+    def _delete_if_present(self, absolute: str, kind: pafs.FileType) -> None:
+        """Look, then delete: one unit, so that a retry after a lost reply looks again."""
+        if self.fs.get_file_info(absolute).type == kind:
+            (self.fs.delete_file if kind == pafs.FileType.File else self.fs.delete_dir)(absolute)
+
+    def _call(self, function: Callable[..., Result], *args: Any, retry: bool = True) -> Result:
+        """Run a filesystem operation, turning failures into StoreErrors that say what to
+        do. On S3 a transient failure is retried, whole, with back-off, for up to the retry
+        window; ``retry=False`` gives it one attempt (best-effort cleanup)."""
+        target = args[0] if args else ""
+        attempt, started = 1, time.monotonic()
+        while True:
+            try:
+                return function(*args)
+            except FileNotFoundError:
+                raise
+            except OSError as error:
+                pause = min(LONGEST_PAUSE_S, FIRST_PAUSE_S * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+                elapsed = time.monotonic() - started
+                retrying = retry and self._is_transient(error)
+                if not retrying or elapsed + pause > self.retry_window_s:
+                    failure = self._explain(error, target)
+                    if retrying:
+                        failure = StoreError(f"{failure} (gave up after {attempt} attempt{'s' * (attempt > 1)} in {elapsed:.1f} s)")
+                    raise failure from None
+                log.warning("S3 at %s: %s failed (%s); attempt %d in %.1f s", self.endpoint, target, _curl_detail(str(error)), attempt + 1, pause)
+                time.sleep(pause)
+                attempt += 1
+
+    def _info_unless_nothing_listens(self, path: str) -> pafs.FileInfo:
         try:
-            return function(*args)
-        except FileNotFoundError:
-            raise
+            return self.fs.get_file_info(path)
         except OSError as error:
-            raise self._explain(error, args[0] if args else "") from None
+            if NOTHING_LISTENING in str(error):
+                raise NothingListening(str(error)) from None
+            raise
+
+    def _is_transient(self, error: OSError) -> bool:
+        """Whether a retry may succeed: any S3 failure but wrong keys, a missing bucket,
+        or nothing listening at the endpoint when the store is opened."""
+        text = str(error)
+        return self.is_s3 and not isinstance(error, NothingListening) and not any(m in text for m in PERMANENT_S3_ERRORS)
 
     def _explain(self, error: OSError, target: Any) -> StoreError:
         text = str(error)
         where = f"{self.endpoint}" if self.endpoint else self.root
         if not self.is_s3:
-            return StoreError(f"{target}: {error.strerror or text}")
+            return StoreError(_local_failure(error, target))
         if "ACCESS_DENIED" in text or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
             return StoreError(
                 f"S3 at {where} denied access to {self.root}: check AWS_ACCESS_KEY_ID and "
@@ -227,9 +302,10 @@ class Store:
         return StoreError(f"S3 error at {where} on {target}: {text}")
 
     def _check_bucket(self) -> None:
-        """Fail fast, at construction, on a wrong endpoint, wrong keys or a missing bucket."""
+        """Fail fast, at construction, on a wrong endpoint, wrong keys or a missing bucket;
+        an endpoint that answers badly (5xx, dropped or stalled replies) is retried."""
         bucket = self.base.split("/", 1)[0]
-        info = self._call(self.fs.get_file_info, bucket)
+        info = self._call(self._info_unless_nothing_listens, bucket)
         if info.type == pafs.FileType.NotFound:
             raise StoreError(
                 f"bucket {bucket!r} does not exist at {self.endpoint or 'AWS'}; create it first"
@@ -326,10 +402,14 @@ class ArtifactWriter:
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
-        if exc_type is None:
-            self._write_manifest()
-        else:
+        if exc_type is not None:
             self._discard()
+            return
+        try:
+            self._write_manifest()
+        except BaseException:
+            self._discard()
+            raise
 
     def write_bytes(self, name: str, data: bytes) -> str:
         """Write one file; returns its URI."""
@@ -376,8 +456,9 @@ class ArtifactWriter:
         self.store._write_atomically(self.store._abs(self.path, MANIFEST), data)
 
     def _discard(self) -> None:
+        """Best effort, one attempt: a store that is down already cost the retry window."""
         try:
-            self.store.delete(self.path)
+            self.store.delete(self.path, retry=False)
         except (StoreError, OSError):
             pass  # the manifest was never written, so what is left is invisible anyway
 
@@ -408,14 +489,27 @@ def _resolve_endpoint(endpoint: str | None) -> str | None:
     return endpoint or os.environ.get("DRMAS_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
 
 
+def _seconds_from_environment(variable: str, default: float) -> float:
+    text = os.environ.get(variable, "").strip()
+    if not text:
+        return default
+    try:
+        seconds = float(text)
+        if seconds > 0:
+            return seconds
+    except ValueError:
+        pass
+    raise StoreError(f"{variable}={text!r}: must be a number of seconds above 0")
+
+
 def _s3_filesystem(root: str, endpoint: str | None, region: str) -> pafs.S3FileSystem:
     if not re.match(r"^s3://[a-z0-9][a-z0-9.\-]{1,62}(/|$)", root):
         raise StoreError(f"store root {root!r} is not s3://bucket[/prefix] with a valid bucket name")
     options: dict[str, Any] = {
         "region": region,
         "connect_timeout": S3_CONNECT_TIMEOUT_S,
-        "request_timeout": S3_REQUEST_TIMEOUT_S,
-        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=S3_MAX_ATTEMPTS),
+        "request_timeout": _seconds_from_environment(REQUEST_TIMEOUT_VARIABLE, REQUEST_TIMEOUT_DEFAULT_S),
+        "retry_strategy": pafs.AwsDefaultS3RetryStrategy(max_attempts=S3_REQUEST_ATTEMPTS),
     }
     if endpoint:
         match = re.match(r"^(https?)://([^/@\s]+)/?$", endpoint)
@@ -433,3 +527,23 @@ def _s3_filesystem(root: str, endpoint: str | None, region: str) -> pafs.S3FileS
 def _curl_detail(text: str) -> str:
     match = re.search(r"Details: (.*)$", text)
     return match.group(1).strip() if match else text.splitlines()[0]
+
+
+def _replace_atomically(absolute: str, data: bytes) -> None:
+    """Write a temporary file beside ``absolute``, sync it, and rename it into place."""
+    temporary = f"{absolute}.tmp-{os.getpid()}"
+    with open(temporary, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, absolute)
+
+
+def _local_failure(error: OSError, target: Any) -> str:
+    """``path: reason``, the reason in the system's words (pyarrow wraps them in its own)."""
+    out_of_room = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    number = error.errno or next((e for e in out_of_room if os.strerror(e) in str(error)), None)
+    reason = os.strerror(number) if number else str(error)
+    if number in out_of_room:
+        reason += " (no room left for the store: free space, then resume the run)"
+    return f"{target}: {reason}"
