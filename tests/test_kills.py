@@ -112,6 +112,7 @@ def final_state(store: Store, run: str) -> dict[str, bytes]:
     return state
 
 
+@pytest.mark.timeout(1500)  # 15 runs of the CLI: about 4 minutes on 2 quiet cores
 def test_killed_at_every_stage_and_resumed_equals_uninterrupted(tmp_path):
     store = Store(str(tmp_path / "runs"))
     code, output = finish(drmas_run(tmp_path, "whole", resume=False))
