@@ -155,10 +155,17 @@ def test_a_checkpoint_imported_by_uri_becomes_the_next_iterations_policy_set(tmp
     monkeypatch.chdir(tmp_path)
     config = load_config(ROOT / "configs" / "math_tiny.yaml", [f"store.root={tmp_path / 'runs'}"])
     store = Store.from_config(config.store)
+    spec = config.models["tiny"]
+    architecture = {
+        "model_type": spec.architecture, "hidden_size": spec.hidden_size, "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads, "intermediate_size": spec.intermediate_size,
+    }
     for wg in ("solver", "verifier"):
-        for path in (policy_path(config.experiment.name, "old", 3, wg), optim_path(config.experiment.name, "old", 3, wg)):
-            with store.writer(path) as out:
-                out.write_bytes("weights.bin", wg.encode())
+        with store.writer(policy_path(config.experiment.name, "old", 3, wg)) as out:
+            out.write_json("config.json", architecture)  # what load_checkpoint checks; no weights are read
+            out.write_bytes("model.safetensors", wg.encode())
+        with store.writer(optim_path(config.experiment.name, "old", 3, wg)) as out:
+            out.write_bytes("optimizer.safetensors", wg.encode())
     checkpoint(config, store, "old", 3, {"reward/mean": 0.5})
     uri = store.uri(stage_path(config.experiment.name, "old", 3, "checkpoint"))
 
