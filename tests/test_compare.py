@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import TINY_OVERRIDES
 
-from drmas.compare import ComparisonRun, spike, write_comparison
+from drmas.compare import ComparisonRun, mismatch_reading, spike, write_comparison
 from drmas.config import load_config
 from drmas.store import Store
 
@@ -56,8 +56,16 @@ def test_report_names_modes_agents_spikes_and_results(tmp_path):
     assert "| grpo | solver | 6.000 ± 2.000 |" in text  # spikes 8 and 4 over a median of 1
     assert "| drmas | solver | 1.000 |" in text
     assert "| solver | 0.600 | 1.500 | 1.400 | 0.100 |" in text
+    assert mismatch_reading({"solver": 1.5, "verifier": 1.0}) in text
     assert "| grpo | 0.650 ± 0.050 | 0.900 ± 0.000 | 2 |" in text  # one skipped step per grpo run
     assert "| drmas | 0.800 | 0.900 | 1 |" in text
+
+
+def test_the_report_says_what_the_multipliers_predict():
+    assert "scales solver's gradient second moment by 1.50" in mismatch_reading({"solver": 1.5, "verifier": 1.0})
+    assert "scales verifier's gradient second moment by 0.70" in mismatch_reading({"solver": 1.05, "verifier": 0.7})
+    alike = mismatch_reading({"solver": 1.008, "verifier": 0.991})
+    assert "within 0.01 of 1" in alike and "should behave alike" in alike
 
 
 @pytest.mark.slow
