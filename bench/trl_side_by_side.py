@@ -173,36 +173,25 @@ def run_size(size: str, args: argparse.Namespace, scratch: Path, timings: Path) 
         trl_tokens.append(sum(len(ids) for ids in completion_ids))
         return values
 
+    def timed(name: str, method):
+        """``method`` of GRPOTrainer, with its seconds added to ``trl_clock`` under ``name``."""
+
+        def clocked(self, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return method(self, *a, **k)
+            finally:
+                trl_clock.add(name, time.perf_counter() - t0)
+
+        return clocked
+
     class TimedGRPOTrainer(GRPOTrainer):
         """GRPOTrainer with clocks around generation, reward, and the whole micro-steps."""
 
-        def _generate_single_turn(self, *a, **k):
-            t0 = time.perf_counter()
-            try:
-                return super()._generate_single_turn(*a, **k)
-            finally:
-                trl_clock.add("generate", time.perf_counter() - t0)
-
-        def _calculate_rewards(self, *a, **k):
-            t0 = time.perf_counter()
-            try:
-                return super()._calculate_rewards(*a, **k)
-            finally:
-                trl_clock.add("reward", time.perf_counter() - t0)
-
-        def _prepare_inputs(self, *a, **k):
-            t0 = time.perf_counter()
-            try:
-                return super()._prepare_inputs(*a, **k)
-            finally:
-                trl_clock.add("prepare", time.perf_counter() - t0)
-
-        def training_step(self, *a, **k):
-            t0 = time.perf_counter()
-            try:
-                return super().training_step(*a, **k)
-            finally:
-                trl_clock.add("training_step", time.perf_counter() - t0)
+        _generate_single_turn = timed("generate", GRPOTrainer._generate_single_turn)
+        _calculate_rewards = timed("reward", GRPOTrainer._calculate_rewards)
+        _prepare_inputs = timed("prepare", GRPOTrainer._prepare_inputs)
+        training_step = timed("training_step", GRPOTrainer.training_step)
 
     drmas_steps: list[dict[str, float]] = []
 
