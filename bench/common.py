@@ -50,8 +50,9 @@ TIMED: dict[str, list[tuple[str, str]]] = {
         ("RayPool.close", "ray/pool_close"),
         ("RayPool.load", "ray/load_call"),
         ("RayPool.generate", "ray/generate_call"),
+        ("PoolOnDemand.__exit__", "ray/shutdown"),
     ],
-    "drmas.runner": [("PoolOnDemand.__exit__", "ray/shutdown"), ("_report", "report")],
+    "drmas.runner": [("_report", "report")],
     "drmas.caching": [("cache_key", "cache_key")],
     "drmas.tracking": [
         ("Tracker.__init__", "tracking/init"),

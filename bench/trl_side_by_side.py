@@ -131,7 +131,8 @@ def run_size(size: str, args: argparse.Namespace, scratch: Path, timings: Path) 
     from drmas.episodes import Episode  # noqa: PLC0415
     from drmas.models import load_model, load_tokenizer  # noqa: PLC0415
     from drmas.rollout import draw_questions, task_questions  # noqa: PLC0415
-    from drmas.runner import PoolOnDemand, open_run, run_iteration, starting_policies  # noqa: PLC0415
+    from drmas.pool import PoolOnDemand  # noqa: PLC0415
+    from drmas.runner import open_run, run_iteration, starting_policies  # noqa: PLC0415
     from drmas.store import Store  # noqa: PLC0415
     from drmas.tasks.math import math_reward  # noqa: PLC0415
     from drmas.workers import _stop_ids  # noqa: PLC0415

@@ -26,7 +26,7 @@ def evaluate(
 
     from drmas.caching import cache_key
     from drmas.evaluate import evaluate as evaluate_stage
-    from drmas.runner import PoolOnDemand
+    from drmas.pool import PoolOnDemand
     from drmas.stage_io import METRICS_FILE, open_stage, publish, publish_metrics, reuse_or_compute
     from drmas.workers import PolicyRef
 

@@ -19,14 +19,14 @@ def rollout(
     """Roll out ``iteration`` with the policy set ``policies`` (the warm start or the previous
     checkpoint): ``iter-{i}/rollout/trajectories.parquet`` in the store.
 
-    Joins the RayCluster named by ``ray.address`` or starts a local Ray, and shuts down the
-    Ray it started. The output is reused when the store holds it with the same cache key
+    Joins the RayCluster named by ``ray.address`` (or ``RAY_ADDRESS``: the one Ray of a
+    kfp.local run) or starts a local Ray, and shuts down the Ray it started. The output is reused when the store holds it with the same cache key
     (``drmas.caching``) unless ``force``.
     """
     from drmas.caching import cache_key
     from drmas.layout import stage_path
     from drmas.rollout import rollout as rollout_stage
-    from drmas.runner import PoolOnDemand
+    from drmas.pool import PoolOnDemand
     from drmas.stage_io import METRICS_FILE, open_stage, publish, publish_metrics, reuse_or_compute
     from drmas.workers import PolicyRef
 

@@ -1,4 +1,5 @@
-"""Warm-start demonstrations: correct working, controlled imperfection."""
+"""Warm-start demonstrations: correct working (math), episodes played out against the real
+retriever (search), controlled imperfection."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 from drmas.config import load_config
 from drmas.tasks import Question
 from drmas.tasks.math import answers_match, extract_boxed, generate_arithmetic
-from drmas.warmstart import column_working, math_demonstrations
+from drmas.tasks.search import Retriever, demonstration_queries, exact_match, generated_facts
+from drmas.warmstart import column_working, math_demonstrations, search_demonstrations
 
 ROOT = Path(__file__).parent.parent
 
@@ -56,6 +58,63 @@ def test_non_arithmetic_questions_have_no_demonstrations():
     config = load_config(ROOT / "configs" / "math_tiny.yaml")
     with pytest.raises(ValueError, match="only generated:arithmetic"):
         math_demonstrations([Question("q", "Prove Fermat's last theorem.", ("x",), "t")], config, np.random.default_rng(0))
+
+
+def _search_demos(*overrides: str):
+    config = load_config(ROOT / "configs" / "search_tiny.yaml", list(overrides))
+    passages, train, _ = generated_facts(config.data, config.experiment.seed)
+    retriever = Retriever.build(passages)
+    return config, train, search_demonstrations(train, config, retriever, np.random.default_rng(0))
+
+
+def test_every_question_has_a_plan_that_finds_its_answer():
+    """Following each question's queries, hop by hop, brings the gold answer into the
+    retrieved passages: the Search demonstrations teach queries that work."""
+    config = load_config(ROOT / "configs" / "search_tiny.yaml")
+    passages, train, evaluation = generated_facts(config.data, config.experiment.seed)
+    retriever = Retriever.build(passages)
+    plans = demonstration_queries(config.data, config.experiment.seed)
+    for question in train[:300] + evaluation[:60]:
+        plan = plans[question.qid]
+        assert len(plan) == (2 if question.data_source == "facts-2hop" else 1)
+        found = [passage.text for query in plan for passage in retriever.search([query], config.task.retrieval_top_k)[0]]
+        assert any(question.answers[0] in text for text in found[-config.task.retrieval_top_k :]), (question, plan, found)
+
+
+def test_perfect_search_demonstrations_answer_every_question():
+    """With no noise, every episode routes no until its hops are searched, then answers
+    the gold answer; a two-hop question takes three turns."""
+    config, train, demos = _search_demos("warmstart.wrong_fraction=0", "warmstart.verdict_noise=0")
+    answers = [response.removeprefix("<think></think><answer>").removesuffix("</answer>") for _, response in demos["answer"]]
+    assert len(answers) == len(train)
+    assert all(exact_match(answer, q.answers) for answer, q in zip(answers, train, strict=True))
+    two_hop = sum(q.data_source == "facts-2hop" for q in train)
+    assert len(demos["search"]) == len(train) + two_hop
+    assert len(demos["verifier"]) == 2 * len(train) + two_hop
+    assert all(response.startswith("<think></think><search>") for _, response in demos["search"])
+    assert all("History:" in prompt for prompt, _ in demos["answer"])
+
+
+def test_search_demonstrations_are_imperfect_as_configured():
+    config, train, demos = _search_demos("warmstart.wrong_fraction=0.3", "warmstart.verdict_noise=0.1")
+    answered = [(prompt, response) for prompt, response in demos["answer"]]
+    by_question = {q.question: q for q in train}
+    right = sum(
+        exact_match(response.removeprefix("<think></think><answer>").removesuffix("</answer>"), by_question[prompt.split("\n", 1)[0].removeprefix("Question: ")].answers)
+        for prompt, response in answered
+    )
+    # wrong answers: 30% on purpose, plus early answers without the passage
+    assert 0.55 < right / len(answered) < 0.7
+    # noisy routes: some episodes end without an answer, some answer at the first turn
+    assert len(train) * 0.9 < len(answered) < len(train)
+    assert any("History:" not in prompt for prompt, _ in answered)
+
+
+def test_questions_outside_the_generated_world_have_no_demonstrations():
+    config = load_config(ROOT / "configs" / "search_tiny.yaml")
+    retriever = Retriever.build(generated_facts(config.data, config.experiment.seed)[0])
+    with pytest.raises(ValueError, match="only generated:facts"):
+        search_demonstrations([Question("nq-1", "Who wrote Hamlet?", ("Shakespeare",), "nq")], config, retriever, np.random.default_rng(0))
 
 
 @pytest.mark.slow

@@ -36,10 +36,12 @@ below is a segment reduction over integer group codes: keys are factorised once,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 AdvantageMode = Literal["grpo", "drmas"]
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
@@ -336,6 +338,8 @@ def _code_names(keys: Any, codes: np.ndarray, n_codes: int) -> list[str]:
 # --------------------------------------------------------------------------------------
 # Policy loss (torch)
 # --------------------------------------------------------------------------------------
+# torch is imported by the functions that use it: the advantage stage (numpy and Arrow
+# only) then starts without it, which is seconds of every kfp task's start-up.
 
 
 def aggregate_loss(
@@ -352,6 +356,8 @@ def aggregate_loss(
     ``seq-mean-token-mean``: every sequence weighs the same (mean of per-sequence means).
     ``seq-mean-token-sum``: the mean over sequences of per-sequence sums.
     """
+    import torch  # noqa: PLC0415
+
     mask = mask.to(values.dtype)
     if mode == "token-mean":
         denominator = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens)
@@ -369,6 +375,8 @@ def low_var_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tens
 
     exp(ref - logp) - (ref - logp) - 1: unbiased, always >= 0, low variance (Schulman).
     """
+    import torch  # noqa: PLC0415
+
     log_ratio = (ref_logprobs - logprobs).clamp(-20.0, 20.0)  # [B, L]
     return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
 
@@ -397,6 +405,8 @@ def policy_loss(
     (tokens where the clipped branch is taken), ``dual_clipfrac``, ``approx_kl``
     (old vs current, k1), and ``kl`` / ``entropy`` when those terms are on.
     """
+    import torch  # noqa: PLC0415
+
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)  # [B, 1] broadcasts over tokens
     log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)  # [B, L]

@@ -17,11 +17,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from drmas.config import DrmasConfig, WorkerGroup, weights_problem
-from drmas.layout import StageResult, init_policy_path, optim_path, policy_path, run_path, stage_path
-from drmas.models import PolicyError
+from drmas.config import DrmasConfig, PolicyError, WorkerGroup, weights_problem
+from drmas.layout import PolicyRef, StageResult, init_policy_path, optim_path, policy_path, run_path, stage_path
 from drmas.store import MANIFEST, ArtifactNotFound, CorruptArtifact, Store
-from drmas.workers import PolicyRef
 
 __all__ = ["ResumePoint", "check_policy", "checkpoint", "read_checkpoint", "resume_point"]
 

@@ -405,7 +405,7 @@ def _run_kfp_local(args: argparse.Namespace) -> int:
 
     print(f"run {run_id}: the {args.pipeline} pipeline {func.name} with kfp.local (outputs and cache in {DEFAULT_ROOT})")
     try:
-        output = run_local(func, arguments, DEFAULT_ROOT)
+        output = run_local(func, arguments, config, DEFAULT_ROOT)
     except RuntimeError as error:
         return _fail("run", f"the pipeline failed: {error}")
     except KeyboardInterrupt:

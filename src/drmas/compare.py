@@ -12,9 +12,11 @@ report (Markdown and PNG, into the store and to MLflow):
 - per agent and mode, the largest gradient-norm spike (max over median of a run, mean and
   spread over seeds), skipped non-finite steps, and final eval avg@k and pass@k.
 
-Runs of one seed share their start: the warm start does not read ``algorithm.advantage``,
-so the first mode's initial and warm-started policies are copied (byte for byte, manifest
-and all) into the other modes' runs instead of being trained again. Every run is an
+Every run starts from the same policies: the first run's initial and warm-started policies
+are copied (byte for byte, manifest and all) into the other runs instead of being trained
+again. As in the paper, where every run starts from one pretrained model, the seeds vary
+the RL (question order, sampling, update noise), not the starting point; and the warm
+start, often the longest part of a small run, is trained once. Every run is an
 ordinary drmas run (``{name}-{mode}-s{seed}``): resumable, browsable, rerunnable. A
 comparison that was interrupted continues where it stopped when started again.
 """
@@ -58,8 +60,8 @@ def compare(
     runs: list[ComparisonRun] = []
     base = load_config(config_path, overrides)
     store = Store.from_config(base.store)
+    first: str | None = None
     for seed in seeds:
-        first: str | None = None
         for mode in modes:
             config = load_config(config_path, [*overrides, f"algorithm.advantage={mode}", f"experiment.seed={seed}", "diagnostics.per_agent_grad_norm=true"])
             run_id = f"{name}-{mode}-s{seed}"
@@ -203,7 +205,7 @@ def _markdown(config: DrmasConfig, name: str, runs: list[ComparisonRun], modes: 
         f"Team: {', '.join(a.name for a in config.agents)} on `{config.task.orchestra_name}` "
         f"({len(config.worker_groups())} worker groups), {config.experiment.iterations} iterations, "
         f"seeds {', '.join(map(str, seeds))}; modes {', '.join(modes)}. Runs: "
-        + ", ".join(f"`{run.run_id}`" for run in runs) + ".",
+        + ", ".join(f"`{run.run_id}`" for run in runs) + f"; all start from the policies of `{runs[0].run_id}`.",
         "",
         "## Why this setting exposes the mismatch",
         "",

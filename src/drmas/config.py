@@ -31,6 +31,7 @@ __all__ = [
     "AgentConfig",
     "ConfigError",
     "DrmasConfig",
+    "PolicyError",
     "WorkerGroup",
     "apply_overrides",
     "load_config",
@@ -740,6 +741,12 @@ SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 """The weight files drmas loads: one safetensors file, or the index of sharded ones."""
 PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 """Suffixes of pickled weights (``pytorch_model.bin``, ``*.pt``): loading one runs code."""
+
+
+class PolicyError(ValueError):
+    """A policy (model folder or artifact) that drmas will not load; the message says where
+    it is and why. Defined here, beside the folder checks, so that stages that only check
+    policies (checkpoint) need not import torch."""
 
 
 def weights_problem(names: typing.Iterable[str]) -> str | None:

@@ -19,7 +19,17 @@ from dataclasses import dataclass
 
 from drmas.store import iteration_path
 
-__all__ = ["StageResult", "init_policy_path", "optim_path", "policy_path", "run_path", "stage_path"]
+__all__ = ["PolicyRef", "StageResult", "init_policy_path", "optim_path", "policy_path", "run_path", "stage_path"]
+
+
+@dataclass(frozen=True)
+class PolicyRef:
+    """Where a worker group's weights are: an artifact in HF layout (or a folder in one)."""
+
+    artifact: str
+    """Artifact path relative to the store root (e.g. exp/run/iter-000003/policy/solver)."""
+    prefix: str = ""
+    """Folder inside the artifact holding the HF layout; empty: the artifact itself."""
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers import PreTrainedTokenizerBase as Tokenizer
 
-from drmas.config import ModelSpec, weights_problem
+from drmas.config import ModelSpec, PolicyError, weights_problem
 
 __all__ = ["PolicyError", "build_scratch_policy", "chat_turn", "load_model", "load_tokenizer", "train_tokenizer"]
 
-
-class PolicyError(ValueError):
-    """A policy (model folder or artifact) that drmas will not load; the message says where
-    it is and why."""
 
 END_OF_TEXT = "<|endoftext|>"
 TURN_START = "<|im_start|>"

@@ -29,7 +29,7 @@ from drmas.config import DrmasConfig, SamplingConfig
 from drmas.store import Store
 from drmas.workers import GenerationResult, PolicyNotLoaded, PolicyRef, WorkerGroupRuntime
 
-__all__ = ["ACTOR_RESTARTS", "RayPool", "WorkerGroupDied", "connect_ray"]
+__all__ = ["ACTOR_RESTARTS", "PoolOnDemand", "RayPool", "WorkerGroupDied", "connect_ray"]
 
 log = logging.getLogger("drmas")
 ACTOR_RESTARTS = 3
@@ -52,20 +52,22 @@ class WorkerGroupDied(RuntimeError):
 
 
 def connect_ray(config: DrmasConfig, temp_dir: Path | None = None) -> bool:
-    """Join ``ray.address`` or start a local Ray with the pool resource; True if started here.
-
-    A caller that started Ray shuts it down with ``ray.shutdown()`` (never ``ray stop``).
+    """Join ``ray.address`` (else ``RAY_ADDRESS``, as ``ray.init`` reads it: how kfp-local's
+    tasks share one Ray) or start a local Ray with the pool resource; True if this call
+    connected. The caller then leaves with ``ray.shutdown()``, which stops only a Ray it
+    started (never ``ray stop``).
     """
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
+    address = config.ray.address or os.environ.get("RAY_ADDRESS")
     if not config.ray.address:
         os.environ.setdefault(LOOPBACK_ONLY, "0")
     import ray  # noqa: PLC0415
 
     if ray.is_initialized():
         return False
-    if config.ray.address:
-        ray.init(address=config.ray.address, log_to_driver=False)
+    if address:
+        ray.init(address=address, log_to_driver=False)
         return True
     _keep_local_ray_on_loopback()
     temp = _ray_temp_dir(temp_dir)
@@ -248,3 +250,29 @@ class RayPool:
     def _mark_resident(self, wg: str) -> None:
         self.resident[wg] = None
         self.resident.move_to_end(wg)
+
+
+class PoolOnDemand:
+    """The Ray pool, started on first use: a rerun that recomputes nothing starts no Ray."""
+
+    def __init__(self, config: DrmasConfig, store: Store, cache_dir: Path | None) -> None:
+        self.config, self.store, self.cache_dir = config, store, cache_dir
+        self.pool = None
+        self.started_ray = False
+
+    def __call__(self):
+        if self.pool is None:
+            self.started_ray = connect_ray(self.config, self.cache_dir / "ray" if self.cache_dir else None)
+            self.pool = RayPool(self.config, self.store, cache_dir=self.cache_dir / "policies" if self.cache_dir else None)
+        return self.pool
+
+    def __enter__(self) -> PoolOnDemand:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        if self.started_ray:
+            import ray  # noqa: PLC0415
+
+            ray.shutdown()

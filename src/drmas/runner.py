@@ -26,6 +26,7 @@ from drmas.evaluate import evaluate
 from drmas.config import ConfigError, DrmasConfig
 from drmas.layout import optim_path, policy_path, run_path, stage_path
 from drmas.policies import init_policies
+from drmas.pool import PoolOnDemand
 from drmas.report import run_history, write_report
 from drmas.rollout import rollout, task_questions
 from drmas.store import Store
@@ -88,34 +89,6 @@ def open_run(config: DrmasConfig, store: Store, run_id: str, resume: bool) -> Dr
 
 def _may_change_on_resume(key: str) -> bool:
     return key == "experiment.iterations" or key.startswith(("store.", "tracking."))
-
-
-class PoolOnDemand:
-    """The Ray pool, started on first use: a rerun that recomputes nothing starts no Ray."""
-
-    def __init__(self, config: DrmasConfig, store: Store, cache_dir: Path | None) -> None:
-        self.config, self.store, self.cache_dir = config, store, cache_dir
-        self.pool = None
-        self.started_ray = False
-
-    def __call__(self):
-        if self.pool is None:
-            from drmas.pool import RayPool, connect_ray  # noqa: PLC0415 - Ray only when needed
-
-            self.started_ray = connect_ray(self.config, self.cache_dir / "ray" if self.cache_dir else None)
-            self.pool = RayPool(self.config, self.store, cache_dir=self.cache_dir / "policies" if self.cache_dir else None)
-        return self.pool
-
-    def __enter__(self) -> PoolOnDemand:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.pool is not None:
-            self.pool.close()
-        if self.started_ray:
-            import ray  # noqa: PLC0415
-
-            ray.shutdown()
 
 
 @dataclass

@@ -3,14 +3,18 @@
     warmstart(config, store, run_id) -> {wg: PolicyRef}
 
 A model initialised at random rewards nothing, so RL has nothing to reinforce. The warm
-start teaches each worker group its agents' roles from demonstrations (the Solver writes
-its working digit by digit and boxes the answer; the Verifier approves or rejects) that
-are deliberately imperfect: ``warmstart.wrong_fraction`` of the Solver's answers are wrong
-and ``warmstart.verdict_noise`` of the Verifier's verdicts too. The team then starts well
-above zero and well below perfect, where RL has room to show what it does.
+start teaches each worker group its agents' roles from demonstrations that are
+deliberately imperfect: ``warmstart.wrong_fraction`` of the final answers are wrong and
+``warmstart.verdict_noise`` of the verdicts too. The team then starts well above zero and
+well below perfect, where RL has room to show what it does.
 
-Demonstrations exist for the generated arithmetic set (the working of a sum or difference
-is computed, never sampled). Loss: cross-entropy on the response tokens only.
+- math (``generated:arithmetic``): the Solver writes its working digit by digit and boxes
+  the answer (computed, never sampled); the Verifier approves or rejects.
+- search (``generated:facts``): each episode is played out against the real retriever.
+  The Verifier says "no" until every hop's passage is in the history, the Search agent
+  writes the hop's query, the Answer agent copies the answer from the passages.
+
+Loss: cross-entropy on the response tokens only.
 """
 
 from __future__ import annotations
@@ -28,18 +32,19 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from drmas.agents import MathVerifierAgent, SolverAgent
+from drmas.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent
 from drmas.config import DrmasConfig
 from drmas.episodes import Episode
 from drmas.layout import run_path
 from drmas.models import load_model, load_tokenizer
-from drmas.rollout import task_questions
+from drmas.rollout import task_questions, task_tools
 from drmas.store import Store
 from drmas.tasks import DataError, Question
+from drmas.tasks.search import Retriever, demonstration_queries, format_passages
 from drmas.update import collate, token_logprobs
 from drmas.workers import PolicyRef
 
-__all__ = ["column_working", "math_demonstrations", "warmstart", "warmstart_path"]
+__all__ = ["column_working", "math_demonstrations", "search_demonstrations", "warmstart", "warmstart_path"]
 
 ARITHMETIC = re.compile(r"^What is (\d+) ([+-]) (\d+)\?$")
 
@@ -101,6 +106,58 @@ def math_demonstrations(questions: list[Question], config: DrmasConfig, rng: np.
     return demos
 
 
+def search_demonstrations(questions: list[Question], config: DrmasConfig, retriever: Retriever, rng: np.random.Generator) -> dict[str, list[tuple[str, str]]]:
+    """(prompt, response) pairs per agent, from episodes played out with the real retriever.
+
+    A verdict is "yes" once every hop of the question's plan is in the history, flipped
+    with probability ``verdict_noise`` (answering too early, or searching once too often,
+    which on the last turn leaves the episode without an answer). A query after the plan
+    ran out repeats the last hop's. The answer is the gold one when the passages hold it,
+    else (and with probability ``wrong_fraction``) another name from the passages or the
+    question: the mistake of copying the wrong entity.
+    """
+    task, warm = config.task, config.warmstart
+    plans = demonstration_queries(config.data, config.experiment.seed)
+    router, searcher, answerer = (cls(history_length=task.history_length) for cls in (RouterAgent, SearchAgent, AnswerAgent))
+    demos: dict[str, list[tuple[str, str]]] = {"verifier": [], "search": [], "answer": []}
+    for question in questions:
+        plan = plans.get(question.qid)
+        if plan is None:
+            raise DataError(f"warm start: no demonstration for question {question.qid!r} (only generated:facts has them)")
+        episode = Episode("u", "t", 0, question)
+        for step in range(1, task.max_turns + 1):
+            enough = (len(episode.history) >= len(plan)) != (rng.random() < warm.verdict_noise)
+            episode.team_context = []
+            demos["verifier"].append((router.prompt(episode, step), f"<verify>{'yes' if enough else 'no'}</verify>"))
+            episode.team_context.append(f"Verifier: {'yes' if enough else 'no'}")
+            if enough:
+                answer = _demonstrated_answer(episode, rng, warm.wrong_fraction)
+                demos["answer"].append((answerer.prompt(episode, step), f"<think></think><answer>{answer}</answer>"))
+                break
+            if step < task.max_turns:
+                query = plan[min(len(episode.history), len(plan) - 1)]
+                demos["search"].append((searcher.prompt(episode, step), f"<think></think><search>{query}</search>"))
+                found = retriever.search([query], task.retrieval_top_k)[0]
+                episode.history.append((query, format_passages(found)))
+    return demos
+
+
+NAME_OR_YEAR = re.compile(r"\b(?:[A-Z][a-z]+(?: [A-Z][a-z]+)?|\d{4})\b")
+"""What a generated answer looks like: a place, a person ("First Last") or a year."""
+
+
+def _demonstrated_answer(episode: Episode, rng: np.random.Generator, wrong_fraction: float) -> str:
+    """The gold answer if the passages show it (1 - wrong_fraction of the time), else a
+    wrong entity from the passages or the question."""
+    gold = episode.question.answers[0]
+    seen = " ".join(info for _, info in episode.history)
+    if gold in seen and rng.random() >= wrong_fraction:
+        return gold
+    text = seen or episode.question.question
+    others = sorted({name for name in NAME_OR_YEAR.findall(text) if name != gold and name not in {"Doc", "The", "What", "Who", "In"}})
+    return str(rng.choice(others)) if others else "unknown"
+
+
 def warmstart(config: DrmasConfig, store: Store, run_id: str, init: dict[str, PolicyRef]) -> dict[str, PolicyRef]:
     """Fine-tune every worker group on its agents' demonstrations (once per run).
 
@@ -109,9 +166,7 @@ def warmstart(config: DrmasConfig, store: Store, run_id: str, init: dict[str, Po
     sooner than two two-threaded ones in turn. Each group draws its batches from its own
     seeded stream, so the result does not depend on which finishes first.
     """
-    if config.task.name != "math":
-        raise DataError("warm start: demonstrations exist for the math task only (set warmstart.steps: 0)")
-    demos = math_demonstrations(task_questions(config, "train"), config, np.random.default_rng([config.experiment.seed, 17]))
+    demos = _demonstrations(config, store)
     result, todo = {}, []
     for index, group in enumerate(config.worker_groups()):
         path = warmstart_path(config, run_id, group.name)
@@ -127,6 +182,15 @@ def warmstart(config: DrmasConfig, store: Store, run_id: str, init: dict[str, Po
             for done in [workers.submit(_warm_one, *job, threads=threads) for job in todo]:
                 done.result()  # re-raises a group's failure here
     return result
+
+
+def _demonstrations(config: DrmasConfig, store: Store) -> dict[str, list[tuple[str, str]]]:
+    """The task's demonstrations of every agent, drawn from the training questions."""
+    questions, rng = task_questions(config, "train"), np.random.default_rng([config.experiment.seed, 17])
+    if config.task.name == "math":
+        return math_demonstrations(questions, config, rng)
+    retriever = task_tools(config, store).retriever
+    return search_demonstrations(questions, config, retriever, rng)
 
 
 def _warm_one(config_json: str, store_settings: dict, wg: str, index: int, init: PolicyRef, path: str, pairs: list[tuple[str, str]], threads: int) -> None:

@@ -15,24 +15,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from drmas.config import SamplingConfig, StoreConfig
+from drmas.config import PolicyError, SamplingConfig, StoreConfig
 from drmas.engines import make_engine
-from drmas.models import PolicyError, load_tokenizer
+from drmas.layout import PolicyRef
 from drmas.store import Store
 
 __all__ = ["GenerationResult", "PolicyNotLoaded", "PolicyRef", "WorkerGroupRuntime"]
-
-
-@dataclass(frozen=True)
-class PolicyRef:
-    """Where a worker group's weights are: an artifact in HF layout (or a folder in one)."""
-
-    artifact: str
-    """Artifact path relative to the store root (e.g. exp/run/iter-000003/policy/solver)."""
-    prefix: str = ""
-    """Folder inside the artifact holding the HF layout; empty: the artifact itself."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +53,8 @@ class WorkerGroupRuntime:
         threads: int | None = None,
     ) -> None:
         if threads:
+            import torch  # noqa: PLC0415 - only where a runtime is made: the rollout driver never needs it
+
             torch.set_num_threads(threads)
         self.name = name
         self.store_config = store
@@ -94,6 +84,8 @@ class WorkerGroupRuntime:
             shutil.rmtree(staging, ignore_errors=True)
             artifact.download(staging, prefix=policy.prefix)
             staging.rename(local)
+        from drmas.models import load_tokenizer  # noqa: PLC0415 - transformers: in the actor only
+
         try:
             self.tokenizer = load_tokenizer(local)
             self.engine.load(local)

@@ -47,6 +47,7 @@ __all__ = [
     "Retriever",
     "cached_retriever",
     "corpus_for",
+    "demonstration_queries",
     "exact_match",
     "format_passages",
     "generate_fact_world",
@@ -257,6 +258,31 @@ def generated_facts(
         )
     passages, train, evaluation = generate_fact_world(seed, count)
     return passages, train[: data.generated_train_size], evaluation[: data.generated_eval_size]
+
+
+def demonstration_queries(data: DataConfig, seed: int) -> dict[str, tuple[str, ...]]:
+    """For every question of the generated world, by id: the queries that find its answer,
+    one per hop.
+
+    Only a generated world has them, since only there the bridge of a two-hop question is
+    known. A first hop names the entity the question names; a second hop names the bridge
+    entity the first hop's passage revealed, so a searcher that learns these demonstrations
+    learns to read the retrieved passages, not to recall facts.
+    """
+    count = _countries_needed(data.generated_train_size, data.generated_eval_size)
+    plans: dict[str, tuple[str, ...]] = {}
+    for c in _countries(seed, min(count, MAX_COUNTRIES)):
+        capital, town_founder = f"capital of {c.name}", f"{c.town} founded"
+        for kind, queries in (
+            ("capital", (capital,)),
+            ("town-founder", (town_founder,)),
+            ("born", (f"{c.capital_founder} born",)),
+            ("country", (f"{c.town} town",)),
+            ("capital-founder", (capital, f"{c.capital} founded")),
+            ("town-founder-born", (town_founder, f"{c.town_founder} born")),
+        ):
+            plans[f"facts-{c.index:05d}-{kind}"] = queries
+    return plans
 
 
 def corpus_for(data: DataConfig, seed: int) -> list[Passage]:
