@@ -69,23 +69,28 @@ def test_the_report_says_what_the_multipliers_predict():
 
 
 @pytest.mark.slow
-def test_drmas_compare_trains_each_mode_from_one_warm_start(tmp_path):
-    """`drmas compare` end to end on a tiny team: one run per mode, the second mode starts
-    from the first one's warm start (copied, not retrained), one report for both."""
+def test_drmas_compare_trains_every_run_from_one_warm_start(tmp_path):
+    """`drmas compare` end to end on a tiny team: one run per mode and seed; every run
+    starts from the first one's warm start (copied, not retrained), one report for all."""
     command = [str(Path(sys.executable).parent / "drmas"), "compare", str(ROOT / "configs" / "math_tiny.yaml"),
-               "--seeds", "1", "--name", "cmp", "experiment.iterations=2", "eval.every=2", "eval.max_questions=3", "eval.k=2",
+               "--seeds", "2", "--name", "cmp", "experiment.iterations=1", "eval.every=1", "eval.max_questions=3", "eval.k=2",
                *TINY_OVERRIDES, f"store.root={tmp_path / 'runs'}"]
-    done = subprocess.run(command, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     root = tmp_path / "runs" / "math-tiny"
-    assert "runs: cmp-grpo-s0, cmp-drmas-s0" in done.stdout
+    runs = ["cmp-grpo-s0", "cmp-drmas-s0", "cmp-grpo-s1", "cmp-drmas-s1"]
+    assert f"runs: {', '.join(runs)}" in done.stdout
     for wg in ("solver", "verifier"):
-        first, second = (root / f"cmp-{m}-s0" / "warmstart" / "policy" / wg for m in ("grpo", "drmas"))
-        assert (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
-        assert "copied_from" in json.loads((second / "_MANIFEST.json").read_text())["meta"]
-        # the modes then train apart: the same start, different advantages
-        assert (root / "cmp-grpo-s0" / "iter-000001" / "policy" / wg / "model.safetensors").exists()
-    recorded = {m: json.loads((root / f"cmp-{m}-s0" / "run" / "config.json").read_text()) for m in ("grpo", "drmas")}
+        start = (root / runs[0] / "warmstart" / "policy" / wg / "model.safetensors").read_bytes()
+        for other in runs[1:]:
+            copy = root / other / "warmstart" / "policy" / wg
+            assert (copy / "model.safetensors").read_bytes() == start
+            assert json.loads((copy / "_MANIFEST.json").read_text())["meta"]["copied_from"].endswith(f"{runs[0]}/warmstart/policy/{wg}")
+    # the seeds then train apart from the same start: other questions, other samples
+    rollouts = {run: (root / run / "iter-000000" / "rollout" / "trajectories.parquet").read_bytes() for run in runs}
+    assert rollouts["cmp-grpo-s0"] != rollouts["cmp-grpo-s1"]
+    recorded = {m: json.loads((root / f"cmp-{m}-s1" / "run" / "config.json").read_text()) for m in ("grpo", "drmas")}
+    assert recorded["grpo"]["experiment"]["seed"] == 1
     assert recorded["grpo"]["algorithm"]["advantage"] == "grpo" and recorded["drmas"]["algorithm"]["advantage"] == "drmas"
     assert recorded["drmas"]["diagnostics"]["per_agent_grad_norm"] is True
     text = (root / "cmp" / "report" / "report.md").read_text()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.compute as pc
@@ -148,3 +150,29 @@ def test_an_actor_that_keeps_dying_fails_the_stage_cleanly(ray_session, tmp_path
         with pytest.raises(WorkerGroupDied, match="worker group 'solver'.*wrote nothing"):
             rollout(config, store, "run", 0, policies, pool)
     assert not store.exists("math-tiny/run/iter-000000/rollout")
+
+
+JOIN_AND_LEAVE = """
+import ray
+from drmas.config import DrmasConfig
+from drmas.pool import connect_ray
+config = DrmasConfig.model_validate({"agents": [{"name": "solver", "model": "m"}, {"name": "verifier", "model": "m"}]})
+assert connect_ray(config)
+print(ray.get_runtime_context().gcs_address, ray.cluster_resources().get("pool_slot"))
+ray.shutdown()
+"""
+
+
+def test_a_stage_process_joins_the_ray_that_ray_address_names(ray_session):
+    """How kfp-local's tasks share one Ray: a process with RAY_ADDRESS set joins that Ray
+    (its pool resource is there) instead of starting its own, and leaving it with
+    ray.shutdown() does not stop it."""
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    pool = ray.cluster_resources()["pool_slot"]
+    done = subprocess.run([sys.executable, "-c", JOIN_AND_LEAVE], env={**os.environ, "RAY_ADDRESS": address}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [address, str(pool)]
+    assert ray.cluster_resources()["pool_slot"] == pool  # still up for the next task
+
