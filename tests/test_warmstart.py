@@ -60,8 +60,11 @@ def test_non_arithmetic_questions_have_no_demonstrations():
         math_demonstrations([Question("q", "Prove Fermat's last theorem.", ("x",), "t")], config, np.random.default_rng(0))
 
 
+SMALL_WORLD = "data.generated_train_size=1200"
+
+
 def _search_demos(*overrides: str):
-    config = load_config(ROOT / "configs" / "search_tiny.yaml", list(overrides))
+    config = load_config(ROOT / "configs" / "search_tiny.yaml", [SMALL_WORLD, *overrides])
     passages, train, _ = generated_facts(config.data, config.experiment.seed)
     retriever = Retriever.build(passages)
     return config, train, search_demonstrations(train, config, retriever, np.random.default_rng(0))
@@ -70,7 +73,7 @@ def _search_demos(*overrides: str):
 def test_every_question_has_a_plan_that_finds_its_answer():
     """Following each question's queries, hop by hop, brings the gold answer into the
     retrieved passages: the Search demonstrations teach queries that work."""
-    config = load_config(ROOT / "configs" / "search_tiny.yaml")
+    config = load_config(ROOT / "configs" / "search_tiny.yaml", [SMALL_WORLD])
     passages, train, evaluation = generated_facts(config.data, config.experiment.seed)
     retriever = Retriever.build(passages)
     plans = demonstration_queries(config.data, config.experiment.seed)
@@ -111,7 +114,7 @@ def test_search_demonstrations_are_imperfect_as_configured():
 
 
 def test_questions_outside_the_generated_world_have_no_demonstrations():
-    config = load_config(ROOT / "configs" / "search_tiny.yaml")
+    config = load_config(ROOT / "configs" / "search_tiny.yaml", [SMALL_WORLD])
     retriever = Retriever.build(generated_facts(config.data, config.experiment.seed)[0])
     with pytest.raises(ValueError, match="only generated:facts"):
         search_demonstrations([Question("nq-1", "Who wrote Hamlet?", ("Shakespeare",), "nq")], config, retriever, np.random.default_rng(0))
