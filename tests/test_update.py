@@ -42,7 +42,8 @@ WG = "solver-verifier"
 
 def make_run(tmp_path: Path, *overrides: str):
     """A run whose iteration 0 has a rollout artifact made of scripted responses, with the
-    rollout log-probs computed by the initial policy itself (so the ratio starts at 1)."""
+    rollout log-probs computed by the initial policy itself at the sampling temperature, as
+    an engine reports them (so the ratio starts at 1)."""
     config = load_config(ROOT / "configs" / "math_tiny.yaml", [*TINY, *overrides])
     store = Store(str(tmp_path / "store"))
     [policy] = init_policies(config, store, "run").values()
@@ -63,7 +64,8 @@ def make_run(tmp_path: Path, *overrides: str):
         row["advantage"] = 0.0
     batch = collate(rows, tokenizer.pad_token_id)
     with torch.no_grad():
-        logprobs, _ = token_logprobs(model, batch, want_entropy=False)
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        logprobs = torch.log_softmax(logits / config.rollout.sampling.temperature, dim=-1).gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     rollout_logprobs = [logprobs[b][batch.response_mask[b] > 0].tolist() for b in range(len(rows))]
     table = table.set_column(table.schema.get_field_index("rollout_logprobs"), "rollout_logprobs", pa.array(rollout_logprobs, pa.list_(pa.float32())))
     with store.writer(stage_path(config.experiment.name, "run", 0, "rollout")) as out:
@@ -79,6 +81,17 @@ def response_logprob(store: Store, artifact: str, tokenizer, table: pa.Table, tm
     with torch.no_grad():
         logprobs, _ = token_logprobs(model, batch, want_entropy=False)
     return (logprobs * batch.response_mask).sum(-1).numpy()
+
+
+def test_the_trainer_reads_log_probs_at_the_sampling_temperature(tmp_path):
+    """Responses sampled at T = 0.5 carry the engine's log-probs of logits / 0.5: the
+    trainer's first log-probs must equal them (gap ~0, nothing clipped), or every update
+    at T != 1 would start from a skewed ratio."""
+    config, store, policy, _ = make_run(tmp_path, "rollout.sampling.temperature=0.5")
+    advantage(config, store, "run", 0)
+    metrics = update(config, store, "run", 0, WG, policy, None).metrics
+    assert metrics[f"wg/{WG}/logprob_gap"] < 1e-4
+    assert metrics[f"wg/{WG}/clipfrac"] == 0.0
 
 
 def test_advantage_stage_writes_batch_and_agent_metrics(tmp_path):

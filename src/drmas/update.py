@@ -115,13 +115,25 @@ def collate(rows: list[dict[str, Any]], pad_id: int) -> MicroBatch:
     )
 
 
-def token_logprobs(model: torch.nn.Module, batch: MicroBatch, want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(next token) [B, L-1] under ``model``, and the per-token entropy if asked."""
+def token_logprobs(model: torch.nn.Module, batch: MicroBatch, want_entropy: bool, temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(next token) [B, L-1] under ``model``, and the per-token entropy if asked;
+    with ``temperature`` ([B], see ``sampling_temperatures``) of the logits divided by it."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    if temperature is not None:
+        logits = logits / temperature[:, None, None]
     log_probs = torch.log_softmax(logits, dim=-1)  # [B, L-1, V]
     taken = log_probs.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, L-1]
     entropy = -(log_probs.exp() * log_probs).sum(-1) if want_entropy else None  # [B, L-1]
     return taken, entropy
+
+
+def sampling_temperatures(config: DrmasConfig, agents: list[str]) -> torch.Tensor:
+    """Each row's rollout sampling temperature ([B]; greedy counts as 1, as the engines do).
+
+    The rollout log-probs are of the distribution the engine sampled from, logits / T: the
+    trainer's must be too, or at T != 1 the PPO ratio starts away from 1 and clips updates
+    that should not be clipped (veRL divides the same way)."""
+    return torch.tensor([config.agent_sampling(agent).temperature or 1.0 for agent in agents], dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------
@@ -503,7 +515,7 @@ def _train(config, group, engine, model, ref_model, rows, pad_id, iteration, ran
     agent_norms: dict[str, list[float]] = {}
     want_entropy = True
     if train.recompute_old_logprobs:
-        _recompute_old_logprobs(model, rows, pad_id, group.micro_batch_size, train.max_tokens_per_micro_batch)
+        _recompute_old_logprobs(model, rows, pad_id, group.micro_batch_size, train.max_tokens_per_micro_batch, config)
     for step_index, mini in enumerate(np.array_split(order, steps)):
         mini_rows = [rows[i] for i in mini]
         mini_tokens = sum(len(r["response_ids"]) for r in mini_rows)
@@ -551,13 +563,13 @@ def _train(config, group, engine, model, ref_model, rows, pad_id, iteration, ran
     return metrics
 
 
-def _recompute_old_logprobs(model, rows, pad_id, max_rows, max_tokens) -> None:
+def _recompute_old_logprobs(model, rows, pad_id, max_rows, max_tokens, config: DrmasConfig) -> None:
     """The old policy's log-probs by the trainer itself, before any step (one no-grad pass),
     instead of the rollout engine's: removes engine/trainer numerical mismatch."""
     with torch.no_grad():
         for pack in micro_batches(rows, max_rows, max_tokens):
             batch = collate([rows[i] for i in pack], pad_id)
-            logprobs, _ = token_logprobs(model, batch, want_entropy=False)
+            logprobs, _ = token_logprobs(model, batch, want_entropy=False, temperature=sampling_temperatures(config, batch.agents))
             for b, index in enumerate(pack):
                 rows[index]["old_logprobs"] = logprobs[b][batch.response_mask[b] > 0].tolist()
 
@@ -569,11 +581,12 @@ def _micro_step(engine, model, ref_model, batch: MicroBatch, mini_tokens: int, m
     if only_agent is not None:
         keep = torch.tensor([agent == only_agent for agent in batch.agents], dtype=mask.dtype)
         mask = mask * keep.unsqueeze(-1)
-    logprobs, entropy = token_logprobs(model, batch, want_entropy or algorithm.entropy_coef > 0)
+    temperature = sampling_temperatures(config, batch.agents)
+    logprobs, entropy = token_logprobs(model, batch, want_entropy or algorithm.entropy_coef > 0, temperature)
     ref = None
     if ref_model is not None:
         with torch.no_grad():
-            ref, _ = token_logprobs(ref_model, batch, want_entropy=False)
+            ref, _ = token_logprobs(ref_model, batch, want_entropy=False, temperature=temperature)
     loss, stats = policy_loss(
         logprobs,
         batch.old_logprobs,
