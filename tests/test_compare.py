@@ -66,6 +66,21 @@ def test_the_report_says_what_the_multipliers_predict():
     assert "scales verifier's gradient second moment by 0.70" in mismatch_reading({"solver": 1.05, "verifier": 0.7})
     alike = mismatch_reading({"solver": 1.008, "verifier": 0.991})
     assert "within 0.01 of 1" in alike and "should behave alike" in alike
+    assert "by 1.20" in mismatch_reading({"solver": 1.2, "verifier": float("nan")})
+    assert "undefined" in mismatch_reading({"solver": float("nan")})
+
+
+def test_report_means_skip_iterations_without_reward_spread(tmp_path):
+    """An iteration whose rewards are all equal has no multiplier (NaN): the report's means
+    skip it and say how many there were, instead of printing nan."""
+    config = load_config("configs/math_tiny.yaml", [f"store.root={tmp_path}"])
+    history = _history([1.0, 2.0, 1.0], 1.5, 0.6)
+    history[2][1]["agent/solver/lemma_multiplier"] = float("nan")
+    write_comparison(config, Store.from_config(config.store), "c", [ComparisonRun("grpo", 0, "c-grpo-s0", history)])
+    text = (tmp_path / "math-tiny" / "c" / "report" / "report.md").read_text()
+    assert "| solver | 0.600 | 1.500 |" in text and "nan" not in text
+    assert "1 of 3 iteration-runs" in text
+    assert "| grpo | solver | 2.000 | 2.000 | 1.000 |" in text  # spike, largest, median
 
 
 @pytest.mark.slow

@@ -98,7 +98,10 @@ VISIBLE_MISMATCH = 0.1
 
 def mismatch_reading(multipliers: dict[str, float]) -> str:
     """What the measured multipliers predict for the comparison, in one sentence."""
-    agent, value = max(multipliers.items(), key=lambda item: abs(item[1] - 1))
+    measured = {agent: value for agent, value in multipliers.items() if np.isfinite(value)}
+    if not measured:
+        return "No iteration had rewards that differed between calls: the multipliers are undefined, and neither mode had a gradient to scale."
+    agent, value = max(measured.items(), key=lambda item: abs(item[1] - 1))
     if abs(value - 1) < VISIBLE_MISMATCH:
         return (
             f"In this setting every agent's multiplier is within {abs(value - 1):.2f} of 1: the agents' "
@@ -219,28 +222,40 @@ def _markdown(config: DrmasConfig, name: str, runs: list[ComparisonRun], modes: 
         "| agent | mean reward | multiplier | variance ratio | mean mismatch |",
         "|---|---|---|---|---|",
     ]
+    def values_of(agent: str, suffix: str) -> np.ndarray:
+        return np.array([v for run in runs for v in _series(run.history, f"agent/{agent}/{suffix}")[1]], dtype=float)
+
     def mean_of(agent: str, suffix: str) -> float:
-        values = [v for run in runs for v in _series(run.history, f"agent/{agent}/{suffix}")[1]]
-        return float(np.mean(values)) if values else float("nan")
+        finite = values_of(agent, suffix)[np.isfinite(values_of(agent, suffix))]
+        return float(finite.mean()) if len(finite) else float("nan")
 
     for agent in agents:
         columns = ("reward_mean", "lemma_multiplier", "lemma_variance_ratio", "lemma_mean_mismatch")
-        lines.append(f"| {agent} | " + " | ".join(f"{mean_of(agent, column):.3f}" for column in columns) + " |")
+        lines.append(f"| {agent} | " + " | ".join(_mean_spread([mean_of(agent, column)]) for column in columns) + " |")
+    multipliers = [values_of(agent, "lemma_multiplier") for agent in agents]
+    undefined = max((int((~np.isfinite(m)).sum()) for m in multipliers), default=0)
+    if undefined:
+        lines += ["", f"The multiplier is undefined where every call of an iteration earned the same reward "
+                  f"(no spread to scale by): {undefined} of {max(len(m) for m in multipliers)} iteration-runs here; the means are over the others."]
     lines += [
         "",
         mismatch_reading({agent: mean_of(agent, "lemma_multiplier") for agent in agents}),
         "",
         "## Results (mean ± spread over seeds)",
         "",
-        "| mode | agent | largest spike (max / median grad norm) | median grad norm |",
-        "|---|---|---|---|",
+        "An agent whose outputs are near-deterministic (a median gradient norm near 0) has a large "
+        "spike ratio from tiny absolute norms: read its spike next to its largest gradient norm.",
+        "",
+        "| mode | agent | largest spike (max / median grad norm) | largest grad norm | median grad norm |",
+        "|---|---|---|---|---|",
     ]
     for mode in modes:
         for agent in agents:
-            mine = [r for r in runs if r.mode == mode]
-            spikes = [spike(_series(r.history, f"agent/{agent}/grad_norm")[1].tolist()) for r in mine]
-            medians = [float(np.median(v)) if len(v := _series(r.history, f"agent/{agent}/grad_norm")[1]) else float("nan") for r in mine]
-            lines.append(f"| {mode} | {agent} | {_mean_spread(spikes)} | {_mean_spread(medians)} |")
+            norms = [_series(r.history, f"agent/{agent}/grad_norm")[1] for r in runs if r.mode == mode]
+            spikes = [spike(v.tolist()) for v in norms]
+            largest = [float(np.nanmax(v)) if np.isfinite(v).any() else float("nan") for v in norms]
+            medians = [float(np.nanmedian(v)) if np.isfinite(v).any() else float("nan") for v in norms]
+            lines.append(f"| {mode} | {agent} | {_mean_spread(spikes)} | {_mean_spread(largest)} | {_mean_spread(medians)} |")
     lines += ["", f"| mode | eval avg@{k} | eval pass@{k} | skipped non-finite steps |", "|---|---|---|---|"]
     for mode in modes:
         mine = [r for r in runs if r.mode == mode]
