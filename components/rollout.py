@@ -20,8 +20,9 @@ def rollout(
     checkpoint): ``iter-{i}/rollout/trajectories.parquet`` in the store.
 
     Joins the RayCluster named by ``ray.address`` (or ``RAY_ADDRESS``: the one Ray of a
-    kfp.local run) or starts a local Ray, and shuts down the Ray it started. The output is reused when the store holds it with the same cache key
-    (``drmas.caching``) unless ``force``.
+    kfp.local run) or starts a local Ray, and shuts down the Ray it started. The output is
+    reused when the store holds it with the same cache key (``drmas.caching``) unless
+    ``force``.
     """
     from drmas.caching import cache_key
     from drmas.layout import stage_path

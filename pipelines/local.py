@@ -16,12 +16,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from drmas.config import DrmasConfig
+from drmas.pool import RAY_ADDRESS, connect_ray
 
 __all__ = ["DEFAULT_ROOT", "run_local", "shared_ray"]
 
 DEFAULT_ROOT = Path(".cache") / "kfp-local"
 """kfp.local's pipeline root (task outputs) and, below it, its cache (``.kfp_cache``)."""
-RAY_ADDRESS = "RAY_ADDRESS"
 
 
 def run_local(pipeline_func, arguments: dict, config: DrmasConfig, pipeline_root: str | Path = DEFAULT_ROOT):
@@ -51,8 +51,6 @@ def shared_ray(config: DrmasConfig) -> Iterator[None]:
         yield
         return
     import ray  # noqa: PLC0415
-
-    from drmas.pool import connect_ray  # noqa: PLC0415
 
     started = connect_ray(config)
     os.environ[RAY_ADDRESS] = ray.get_runtime_context().gcs_address

@@ -226,7 +226,8 @@ def _markdown(config: DrmasConfig, name: str, runs: list[ComparisonRun], modes: 
         return np.array([v for run in runs for v in _series(run.history, f"agent/{agent}/{suffix}")[1]], dtype=float)
 
     def mean_of(agent: str, suffix: str) -> float:
-        finite = values_of(agent, suffix)[np.isfinite(values_of(agent, suffix))]
+        values = values_of(agent, suffix)
+        finite = values[np.isfinite(values)]
         return float(finite.mean()) if len(finite) else float("nan")
 
     for agent in agents:

@@ -29,9 +29,11 @@ from drmas.config import DrmasConfig, SamplingConfig
 from drmas.store import Store
 from drmas.workers import GenerationResult, PolicyNotLoaded, PolicyRef, WorkerGroupRuntime
 
-__all__ = ["ACTOR_RESTARTS", "PoolOnDemand", "RayPool", "WorkerGroupDied", "connect_ray"]
+__all__ = ["ACTOR_RESTARTS", "RAY_ADDRESS", "PoolOnDemand", "RayPool", "WorkerGroupDied", "connect_ray"]
 
 log = logging.getLogger("drmas")
+RAY_ADDRESS = "RAY_ADDRESS"
+"""The environment variable naming a Ray to join (Ray's own convention)."""
 ACTOR_RESTARTS = 3
 """How many times, per pool, a dead worker-group actor is restarted before a stage fails."""
 ACTOR_RESTART_TIMEOUT_S = 120.0
@@ -59,7 +61,7 @@ def connect_ray(config: DrmasConfig, temp_dir: Path | None = None) -> bool:
     """
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
-    address = config.ray.address or os.environ.get("RAY_ADDRESS")
+    address = config.ray.address or os.environ.get(RAY_ADDRESS)
     if not config.ray.address:
         os.environ.setdefault(LOOPBACK_ONLY, "0")
     import ray  # noqa: PLC0415

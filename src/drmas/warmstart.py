@@ -27,6 +27,7 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,9 +41,11 @@ from drmas.models import load_model, load_tokenizer
 from drmas.rollout import task_questions, task_tools
 from drmas.store import Store
 from drmas.tasks import DataError, Question
-from drmas.tasks.search import Retriever, demonstration_queries, format_passages
 from drmas.update import collate, token_logprobs
 from drmas.workers import PolicyRef
+
+if TYPE_CHECKING:
+    from drmas.tasks.search import Retriever
 
 __all__ = ["column_working", "math_demonstrations", "search_demonstrations", "warmstart", "warmstart_path"]
 
@@ -116,6 +119,8 @@ def search_demonstrations(questions: list[Question], config: DrmasConfig, retrie
     else (and with probability ``wrong_fraction``) another name from the passages or the
     question: the mistake of copying the wrong entity.
     """
+    from drmas.tasks.search import demonstration_queries, format_passages  # noqa: PLC0415 - bm25s: search runs only
+
     task, warm = config.task, config.warmstart
     plans = demonstration_queries(config.data, config.experiment.seed)
     router, searcher, answerer = (cls(history_length=task.history_length) for cls in (RouterAgent, SearchAgent, AnswerAgent))
