@@ -44,3 +44,27 @@ def loop_advantages(score, uid, traj_uid, agent, mode, eps=1e-6, scale_by_std=Tr
         mean, std = stats[group]
         result.append((value - mean) / (std + eps) if scale_by_std else value - mean)
     return result
+
+
+def loop_lemma_terms(score, uid, traj_uid, agent) -> dict:
+    """Per agent, the lists of (mean_gap, var_ratio, inflation) over its (uid, agent)
+    groups with GRPO spread, read straight from the reference's definitions: (mu, sigma)
+    over each uid's trajectory means, (mu_k, sigma_k) over agent k's rows in the uid."""
+    traj_rows: dict = defaultdict(list)
+    for i in range(len(score)):
+        traj_rows[traj_uid[i]].append(i)
+    uid_values: dict = defaultdict(list)
+    for rows in traj_rows.values():
+        uid_values[uid[rows[0]]].append(sum(score[i] for i in rows) / len(rows))
+    agent_values: dict = defaultdict(list)
+    for i in range(len(score)):
+        agent_values[(uid[i], agent[i])].append(score[i])
+    terms: dict = defaultdict(list)
+    for (u, k), values in agent_values.items():
+        mu, sigma = _mean_std(uid_values[u])
+        mu_k, sigma_k = _mean_std(values)
+        if sigma**2 <= 1e-12 * max(1.0, mu**2):
+            continue
+        gap = mu_k - mu
+        terms[k].append((gap, sigma_k**2 / sigma**2, (sigma_k**2 + gap**2) / sigma**2))
+    return terms

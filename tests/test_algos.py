@@ -10,9 +10,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import loop_advantages
+from oracle import loop_advantages, loop_lemma_terms
 
 from drmas.algos import (
+    advantage_second_moment_ratio,
     agent_reward_stats,
     aggregate_loss,
     compute_advantages,
@@ -231,40 +232,103 @@ def test_drmas_groups_are_standardised(batch):
 # ------------------------------------------------------------------------------------
 
 
+def _lemma(score, uid, traj, agent):
+    return agent_reward_stats(np.asarray(score, dtype=float), agent, uid=uid, traj_uid=traj)
+
+
 def test_lemma_example_multiplier_is_eight():
-    # Agent k: rows [0, 2] -> mu_k = 1, sigma_k = 1 (population).
-    # Agent j: 8 rows of -0.25 and 8 of 0 -> sum -2, sum of squares 0.5.
-    # Team: 18 rows, sum 0 -> mu = 0; sum of squares 4.5 -> sigma^2 = 0.25, sigma = 0.5.
-    # Multiplier_k = (1 + (1 - 0)^2) / 0.25 = 8: variance ratio 4, mean mismatch 4.
-    score = np.array([0.0, 2.0] + [-0.25] * 8 + [0.0] * 8)
-    agent = ["k", "k"] + ["j"] * 16
-    stats = agent_reward_stats(score, agent)
+    """The project page's example: mu = 0, sigma = 0.5, mu_k = 1, sigma_k = 1 gives a
+    variance ratio of 4, a mean mismatch of 4 and a multiplier of 8.00."""
+    # One prompt, five trajectories; agent j's rows set the trajectory means.
+    #   t1: j -0.5 | t2: j -0.5 | t3: k 0, j 0 | t4: k 1, j 0 | t5: k 2, j -1
+    # Trajectory means [-0.5, -0.5, 0, 0.5, 0.5]: mu = 0, unbiased var 1/4 -> sigma = 0.5.
+    # Agent k's calls [0, 1, 2]: mu_k = 1, unbiased var 1 -> sigma_k = 1.
+    # gap = 1; var_ratio = 1 / 0.25 = 4; inflation = (1 + 1) / 0.25 = 8.
+    traj = ["t1", "t2", "t3", "t3", "t4", "t4", "t5", "t5"]
+    agent = ["j", "j", "k", "j", "k", "j", "k", "j"]
+    score = [-0.5, -0.5, 0.0, 0.0, 1.0, 0.0, 2.0, -1.0]
+    stats = _lemma(score, ["p"] * 8, traj, agent)
     k = stats["k"]
-    assert (k.mean, k.std, k.global_mean, k.global_std) == pytest.approx((1.0, 1.0, 0.0, 0.5))
-    assert (k.variance_ratio, k.mean_mismatch, k.multiplier) == pytest.approx((4.0, 4.0, 8.0))
-    assert k.rows == 2
-    # Agent j: mu_j = -0.125, sigma_j = 0.125 -> (0.015625 + 0.015625) / 0.25 = 0.125.
-    assert stats["j"].multiplier == pytest.approx(0.125)
+    assert (k.mean_gap_mean, k.var_ratio_mean, k.multiplier) == pytest.approx((1.0, 4.0, 8.0))
+    assert (k.inflation_p95, k.inflation_max, k.groups, k.flat_groups, k.rows) == pytest.approx((8.0, 8.0, 1, 0, 3))
+    # Agent j's calls [-0.5, -0.5, 0, 0, -1]: mu_j = -0.4, unbiased var 0.7 / 4 = 0.175;
+    # var_ratio 0.7, mean mismatch 0.16 / 0.25 = 0.64, multiplier 1.34.
+    assert (stats["j"].mean_gap_mean, stats["j"].var_ratio_mean, stats["j"].multiplier) == pytest.approx((-0.4, 0.7, 1.34))
+
+
+def test_worked_example_lemma_terms_and_measured_ratio():
+    """The worked example above, both diagnostics derived by hand."""
+    uid, traj, agent, score = UID, TRAJ, AGENT, REWARD
+    # GRPO: trajectory values [1, 0, 1]: mu = 2/3, unbiased var 1/3.
+    # Solver calls [1, 0, 0, 1]: mu_k = 1/2, var 1/3 -> gap -1/6, var_ratio 1,
+    # multiplier 1 + (1/36) / (1/3) = 13/12. Verifier calls [1, 0, 1]: exactly the team's.
+    stats = _lemma(score, uid, traj, agent)
+    solver, verifier = stats["solver"], stats["verifier"]
+    assert (solver.mean_gap_mean, solver.var_ratio_mean, solver.multiplier) == pytest.approx((-1 / 6, 1.0, 13 / 12))
+    assert (verifier.mean_gap_mean, verifier.multiplier) == pytest.approx((0.0, 1.0), abs=1e-12)
+    # Measured: GRPO gives tau1, tau3 +1/sqrt(3) (A^2 = 1/3) and tau2 -2/sqrt(3) (A^2 = 4/3).
+    # Solver rows: 1/3 + 4/3 + 4/3 + 1/3 = 10/3 under GRPO; Dr. MAS gives its four calls
+    # +-0.866 (A^2 = 3/4 each): 3. Ratio 10/9. Verifier: 1/3 + 4/3 + 1/3 = 2 both ways: 1.
+    grpo = compute_advantages(score, uid, traj, agent, "grpo")
+    drmas = compute_advantages(score, uid, traj, agent, "drmas")
+    ratio = advantage_second_moment_ratio(grpo, drmas, agent)
+    assert ratio == pytest.approx({"solver": 10 / 9, "verifier": 1.0}, rel=1e-5)
+
+
+def test_constant_prompt_groups_have_no_multiplier():
+    """Every prompt scored the same in all its trajectories (one prompt all 1, the other
+    all 0): both modes' advantages are exactly 0, so neither baseline scales anything.
+    Pooled over the batch, as drmas computed it before, agent a got a multiplier of 0.94
+    ((2/9 + 1/225) / 0.24) from the spread between prompts; per prompt group it is
+    undefined, and the count of flat groups says why."""
+    uid = ["good"] * 6 + ["bad"] * 4
+    traj = ["g1", "g1", "g1", "g2", "g2", "g2", "b1", "b1", "b2", "b2"]
+    agent = ["a", "a", "b", "a", "a", "b", "a", "b", "a", "b"]
+    score = np.array([1.0] * 6 + [0.0] * 4)
+    stats = _lemma(score, uid, traj, agent)
+    assert stats["a"].flat_groups == stats["a"].groups == 2
+    assert math.isnan(stats["a"].multiplier) and math.isnan(stats["b"].inflation_max)
+    grpo = compute_advantages(score, uid, traj, agent, "grpo")
+    drmas = compute_advantages(score, uid, traj, agent, "drmas")
+    assert not grpo.any() and not drmas.any()
+    assert all(math.isnan(v) for v in advantage_second_moment_ratio(grpo, drmas, agent).values())
+    # All calls penalised (-0.1 with rounding noise) is no spread either.
+    flat = _lemma(np.zeros(4) - 0.1 * np.ones(4), ["p"] * 4, ["t1", "t1", "t2", "t2"], ["a", "b", "a", "b"])
+    assert flat["b"].flat_groups == 1 and math.isnan(flat["b"].multiplier)
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=uneven_batches())
+def test_lemma_terms_match_the_reference_definitions(batch):
+    score, uid, traj, agent = batch
+    fast = _lemma(score, uid, traj, agent)
+    slow = loop_lemma_terms(score, uid, traj, agent)
+    for name, stats in fast.items():
+        terms = np.array(slow.get(name, []))
+        assert stats.groups - stats.flat_groups == len(terms)
+        if len(terms):
+            expected = (terms[:, 0].mean(), np.abs(terms[:, 0]).max(), terms[:, 1].min(), terms[:, 2].mean(), np.percentile(terms[:, 2], 95))
+            actual = (stats.mean_gap_mean, stats.mean_gap_abs_max, stats.var_ratio_min, stats.inflation_mean, stats.inflation_p95)
+            np.testing.assert_allclose(actual, expected, rtol=1e-7, atol=1e-9)
 
 
 @settings(max_examples=100, deadline=None)
 @given(batch=uneven_batches())
-def test_row_weighted_multipliers_average_to_one(batch):
-    # sum_k p_k (sigma_k^2 + (mu_k - mu)^2) = sigma^2 (law of total variance).
-    score, _, _, agent = batch
-    if np.var(score) < 1e-6:
-        return
-    stats = agent_reward_stats(score, agent)
-    average = sum(s.rows * s.multiplier for s in stats.values()) / len(score)
-    assert average == pytest.approx(1.0, rel=1e-6)
-
-
-def test_constant_team_reward_reports_nan_ratios():
-    stats = agent_reward_stats(np.ones(4), ["a", "a", "b", "b"])
-    assert math.isnan(stats["a"].multiplier) and stats["a"].mean == 1.0
-    # All calls penalised: -0.1 with rounding noise is still a constant team.
-    rounded = agent_reward_stats(np.array([0.0, 0.0, 0.0]) - 0.1 * np.ones(3), ["a", "b", "b"])
-    assert math.isnan(rounded["b"].multiplier)
+def test_one_agent_with_one_call_per_episode_makes_drmas_grpo(batch):
+    """One agent calling once per episode: its calls are the trajectories, so Dr. MAS's
+    groups are GRPO's and the two advantages, and both diagnostics, coincide."""
+    score, uid, traj, _ = batch
+    first = sorted({t: i for i, t in reversed(list(enumerate(traj)))}.values())  # one call per episode
+    score, uid, traj = score[first], [uid[i] for i in first], [traj[i] for i in first]
+    agent = ["solo"] * len(first)
+    grpo = compute_advantages(score, uid, traj, agent, "grpo")
+    drmas = compute_advantages(score, uid, traj, agent, "drmas")
+    np.testing.assert_array_equal(grpo, drmas)
+    stats = _lemma(score, uid, traj, agent)["solo"]
+    if stats.groups > stats.flat_groups:
+        assert (stats.mean_gap_abs_max, stats.multiplier) == pytest.approx((0.0, 1.0))
+    if drmas.any():
+        assert advantage_second_moment_ratio(grpo, drmas, agent)["solo"] == pytest.approx(1.0)
 
 
 # ------------------------------------------------------------------------------------

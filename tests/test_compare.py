@@ -26,14 +26,18 @@ def test_spike_is_the_worst_step_over_the_median():
     assert math.isnan(spike([]))
 
 
-def _history(norms: list[float], multiplier: float, final_eval: float) -> list[tuple[int, dict[str, float]]]:
+def _history(norms: list[float], ratio: float, final_eval: float) -> list[tuple[int, dict[str, float]]]:
     history = [(0, {"eval/avg_at_4": 0.5, "eval/pass_at_4": 0.8})]
     for i, norm in enumerate(norms):
         history.append((i + 1, {
             "agent/solver/reward_mean": 0.6, "agent/verifier/reward_mean": 0.7,
+            "agent/solver/calls": 12.0, "agent/verifier/calls": 8.0,
             "agent/solver/grad_norm": norm, "agent/verifier/grad_norm": 1.0,
-            "agent/solver/lemma_multiplier": multiplier, "agent/verifier/lemma_multiplier": 1.0,
-            "agent/solver/lemma_variance_ratio": multiplier - 0.1, "agent/solver/lemma_mean_mismatch": 0.1,
+            "agent/solver/adv_sq_ratio": ratio, "agent/verifier/adv_sq_ratio": 1.0,
+            "agent/solver/lemma_multiplier": 4.0, "agent/verifier/lemma_multiplier": 1.0,
+            "agent/solver/lemma_multiplier_p95": 9.0,
+            "agent/solver/lemma_var_ratio": 3.0, "agent/solver/lemma_mean_gap": 0.5,
+            "agent/solver/lemma_groups": 4.0, "agent/solver/lemma_flat_groups": 1.0,
             "wg/solver/skipped": 0.0, "wg/verifier/skipped": 1.0 if i == 0 else 0.0,
         }))
     history[-1][1].update({"eval/avg_at_4": final_eval, "eval/pass_at_4": 0.9})
@@ -55,15 +59,19 @@ def test_report_names_modes_agents_spikes_and_results(tmp_path):
     text = report.read_bytes("report.md").decode()
     assert "| grpo | solver | 6.000 ± 2.000 |" in text  # spikes 8 and 4 over a median of 1
     assert "| drmas | solver | 1.000 |" in text
-    assert "| solver | 0.600 | 1.500 | 1.400 | 0.100 |" in text
+    assert "| solver | 12.000 | 0.600 | 1.500 | 4.000 | 9.000 | 0.500 | 3.000 | 25% |" in text
     assert mismatch_reading({"solver": 1.5, "verifier": 1.0}) in text
+    # Solver grad norms: grpo runs 2.75 and 1.75 (mean 2.25), drmas 1.0: observed 2.25
+    # against sqrt(1.5) = 1.225 (measured) and sqrt(4) = 2 (lemma).
+    assert "| solver | 2.250 | 1.000 | 2.250 | 1.225 | 2.000 |" in text
     assert "| grpo | 0.650 ± 0.050 | 0.900 ± 0.000 | 2 |" in text  # one skipped step per grpo run
     assert "| drmas | 0.800 | 0.900 | 1 |" in text
 
 
 def test_the_report_says_what_the_multipliers_predict():
-    assert "scales solver's gradient second moment by 1.50" in mismatch_reading({"solver": 1.5, "verifier": 1.0})
-    assert "scales verifier's gradient second moment by 0.70" in mismatch_reading({"solver": 1.05, "verifier": 0.7})
+    reading = mismatch_reading({"solver": 4.0, "verifier": 1.0})
+    assert "scales solver's advantage second moment by 4.00" in reading and "gradient norm by about 2.00" in reading
+    assert "scales verifier's advantage second moment by 0.70" in mismatch_reading({"solver": 1.05, "verifier": 0.7})
     alike = mismatch_reading({"solver": 1.008, "verifier": 0.991})
     assert "within 0.01 of 1" in alike and "should behave alike" in alike
     assert "by 1.20" in mismatch_reading({"solver": 1.2, "verifier": float("nan")})
@@ -71,15 +79,15 @@ def test_the_report_says_what_the_multipliers_predict():
 
 
 def test_report_means_skip_iterations_without_reward_spread(tmp_path):
-    """An iteration whose rewards are all equal has no multiplier (NaN): the report's means
-    skip it and say how many there were, instead of printing nan."""
+    """An iteration whose rewards are all equal has no ratio (NaN): the report's means skip
+    it instead of printing nan."""
     config = load_config("configs/math_tiny.yaml", [f"store.root={tmp_path}"])
     history = _history([1.0, 2.0, 1.0], 1.5, 0.6)
+    history[2][1]["agent/solver/adv_sq_ratio"] = float("nan")
     history[2][1]["agent/solver/lemma_multiplier"] = float("nan")
     write_comparison(config, Store.from_config(config.store), "c", [ComparisonRun("grpo", 0, "c-grpo-s0", history)])
     text = (tmp_path / "math-tiny" / "c" / "report" / "report.md").read_text()
-    assert "| solver | 0.600 | 1.500 |" in text and "nan" not in text
-    assert "1 of 3 iteration-runs" in text
+    assert "| solver | 12.000 | 0.600 | 1.500 | 4.000 |" in text and "nan" not in text
     assert "| grpo | solver | 2.000 | 2.000 | 1.000 |" in text  # spike, largest, median
 
 

@@ -42,6 +42,17 @@ def test_worker_groups_none_by_model_and_explicit():
     assert explicit.agent_to_worker_group() == {"verifier": "team", "solver": "team"}
 
 
+def test_worker_group_by_name_carries_its_models_template_variables():
+    config = load_config(
+        MATH, ["models.tiny.chat_template_kwargs={enable_thinking: false}", "agents.verifier.model=Qwen/Qwen3-4B"]
+    )
+    assert config.worker_group("solver").chat_template_kwargs == {"enable_thinking": False}
+    assert config.worker_group("verifier").chat_template_kwargs == {}  # a hub id: no spec
+    assert config.flat_params()["models.tiny.chat_template_kwargs.enable_thinking"] == "false"
+    with pytest.raises(KeyError, match="no worker group 'critic'; worker groups: solver, verifier"):
+        config.worker_group("critic")
+
+
 def test_heterogeneous_models_by_model_gives_one_group_per_model(tmp_path):
     config = load_config(
         MATH, ["models.big={hidden_size: 256}", "agents.solver.model=big", "workers.sharing=by_model"]
@@ -101,6 +112,11 @@ def test_flat_params_name_agents():
         (["store.endpoint=http://key:secret@host:9000"], "store.endpoint: must look like http(s)://host:port"),
         (["models.tiny.num_kv_heads=3"], "models.tiny: num_heads 4 is not divisible by num_kv_heads 3"),
         (["experiment.name=has space"], "experiment.name: String should match pattern"),
+        (["rollout.truncation=right"], "rollout.truncation: Input should be 'middle' or 'left'"),
+        (
+            ["models.tiny.chat_template_kwargs={tokenize: true, enable_thinking: false}"],
+            "models.tiny.chat_template_kwargs: tokenize: set by drmas itself, not a template variable",
+        ),
     ],
 )
 def test_each_problem_is_named(overrides, expected):

@@ -18,8 +18,9 @@ def _metrics(i: int) -> dict[str, float]:
         "agent/solver/adv_mean": 0.0,
         "agent/solver/adv_std": 0.8,
         "agent/solver/lemma_multiplier": 1.0 + i,
-        "agent/solver/lemma_mean_mismatch": float(i),
-        "agent/solver/lemma_variance_ratio": 1.0,
+        "agent/solver/adv_sq_ratio": 1.0 + i / 2,
+        "agent/solver/lemma_mean_gap": float(i),
+        "agent/solver/lemma_var_ratio": 1.0,
         "wg/solver/grad_norm": 0.5,
         "wg/solver/grad_norm_max": 0.7,
     }

@@ -106,9 +106,11 @@ def test_advantage_stage_writes_batch_and_agent_metrics(tmp_path):
     assert sorted(set(np.round(batch["advantage"].to_numpy(), 4))) == [-0.7071, 0.7071]
     metrics = result.metrics
     assert metrics["agent/solver/calls"] == 4 and metrics["reward/mean"] == 0.5
-    # Both agents see the team's reward distribution exactly: multiplier 1, no mismatch.
+    # Both agents see the team's reward distribution exactly: multiplier 1, no mean gap,
+    # and the global baseline gives them the advantage scale Dr. MAS gives (ratio 1).
     assert metrics["agent/solver/lemma_multiplier"] == pytest.approx(1.0)
-    assert metrics["agent/verifier/lemma_mean_mismatch"] == pytest.approx(0.0)
+    assert metrics["agent/verifier/lemma_mean_gap"] == pytest.approx(0.0)
+    assert metrics["agent/solver/adv_sq_ratio"] == pytest.approx(1.0, rel=1e-5)
 
 
 def test_update_moves_the_policy_along_the_advantage(tmp_path):

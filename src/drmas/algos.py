@@ -44,13 +44,14 @@ if TYPE_CHECKING:
     import torch
 
 AdvantageMode = Literal["grpo", "drmas"]
-LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+LossAggregation = Literal["token-mean", "token-mean-per-micro-batch", "seq-mean-token-mean", "seq-mean-token-sum"]
 
 __all__ = [
     "AdvantageMode",
     "AgentRewardStats",
     "LossAggregation",
     "agent_reward_stats",
+    "advantage_second_moment_ratio",
     "aggregate_loss",
     "compute_advantages",
     "factorize",
@@ -201,10 +202,7 @@ def compute_advantages(
         raise ValueError(f"score is not finite at row {bad}: {score[bad]}")
     uid_code, n_uid = factorize(uid)  # [N]
     if mode == "grpo":
-        traj_code, n_traj = factorize(traj_uid)  # [N]
-        traj_uid_code = _group_of_segment(traj_code, uid_code, n_traj, traj_uid)  # [T]
-        traj_count = np.bincount(traj_code, minlength=n_traj)  # [T]
-        traj_score = np.bincount(traj_code, weights=score, minlength=n_traj) / traj_count  # [T]
+        traj_code, traj_score, traj_uid_code = _trajectory_scores(score, uid_code, traj_uid)
         traj_adv = _normalise_in_groups(traj_score, traj_uid_code, n_uid, eps, scale_by_std)
         advantages = traj_adv[traj_code]  # [N]
     elif mode == "drmas":
@@ -236,10 +234,9 @@ def _group_of_segment(
     return group_of
 
 
-def _normalise_in_groups(
-    values: np.ndarray, group: np.ndarray, n_groups: int, eps: float, scale_by_std: bool
-) -> np.ndarray:
-    """(v - mean_g) / (std_g + eps) with unbiased std; singleton groups get mean 0, std 1.
+def _group_moments(values: np.ndarray, group: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(count, mean, unbiased std) per group [S], with the reference's conventions: a
+    singleton group has mean 0 and std 1; an empty group has count 0 (ignore its moments).
 
     Two passes (mean, then squared deviations) rather than sum of squares, which loses
     precision when rewards are large and nearly constant.
@@ -252,11 +249,29 @@ def _normalise_in_groups(
     singleton = count == 1
     mean[singleton] = 0.0
     std[singleton] = 1.0
+    return count, mean, std
+
+
+def _normalise_in_groups(
+    values: np.ndarray, group: np.ndarray, n_groups: int, eps: float, scale_by_std: bool
+) -> np.ndarray:
+    """(v - mean_g) / (std_g + eps) with the moments of ``_group_moments``."""
+    _, mean, std = _group_moments(values, group, n_groups)
     centred = values - mean[group]  # [N]
     if not scale_by_std:
         return centred
     denominator = std[group] + eps  # [N]; 0 only for a constant group with eps = 0
     return np.divide(centred, denominator, out=np.zeros_like(centred), where=denominator > 0)
+
+
+def _trajectory_scores(score: np.ndarray, uid_code: np.ndarray, traj_uid: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GRPO's samples: (trajectory code of each row [N], each trajectory's mean score [T],
+    each trajectory's uid code [T]); a trajectory spread over two uids is refused."""
+    traj_code, n_traj = factorize(traj_uid)  # [N]
+    traj_uid_code = _group_of_segment(traj_code, uid_code, n_traj, traj_uid)  # [T]
+    traj_count = np.bincount(traj_code, minlength=n_traj)  # [T]
+    traj_score = np.bincount(traj_code, weights=score, minlength=n_traj) / traj_count  # [T]
+    return traj_code, traj_score, traj_uid_code
 
 
 # --------------------------------------------------------------------------------------
@@ -266,63 +281,120 @@ def _normalise_in_groups(
 
 @dataclass(frozen=True)
 class AgentRewardStats:
-    """One agent's reward statistics against the global (team) statistics.
+    """Agent k's Lemma 4.2 terms, per prompt group, summarised over the groups.
 
-    ``multiplier = variance_ratio + mean_mismatch = (sigma_k^2 + (mu_k - mu)^2) / sigma^2``
-    is the factor by which the global baseline scales agent k's gradient second moment
-    (Lemma 4.2). It is 1 for an agent whose rewards look like the team's; the row-weighted
-    average of the multipliers over agents is exactly 1 (population moments throughout).
+    For every (``uid``, agent) group where agent k acted, against the (mu, sigma) that the
+    GRPO baseline divides by for that ``uid`` (trajectory means, unbiased std):
+    ``mean_gap = mu_k - mu``, ``var_ratio = sigma_k^2 / sigma^2`` and the multiplier
+    ``inflation = (sigma_k^2 + mean_gap^2) / sigma^2``, by which the global baseline scales
+    agent k's gradient second moment. mu_k, sigma_k are over agent k's calls in the group
+    (every call a sample, unbiased std, a single call has mean 0 and std 1), exactly as the
+    Dr. MAS advantage uses them. The definitions are the reference code's
+    (``summarize_group_diagnostics``, logged there as ``adv_diag/<agent>/...``) with one
+    difference: a group whose GRPO sigma is 0 (every trajectory of the prompt scored the
+    same: both baselines give advantage 0) has no multiplier. It is counted in
+    ``flat_groups`` and left out of the summaries, which are NaN when no group is left.
     """
 
     agent: str
     rows: int
-    mean: float
-    std: float
-    global_mean: float
-    global_std: float
-    variance_ratio: float
-    mean_mismatch: float
-    multiplier: float
+    groups: int
+    flat_groups: int
+    inflation_mean: float
+    inflation_p95: float
+    inflation_max: float
+    mean_gap_mean: float
+    mean_gap_abs_mean: float
+    mean_gap_abs_max: float
+    var_ratio_mean: float
+    var_ratio_min: float
+    var_ratio_max: float
+
+    @property
+    def multiplier(self) -> float:
+        """The Lemma 4.2 multiplier of a typical group: the mean over groups with spread."""
+        return self.inflation_mean
 
 
-def agent_reward_stats(score: np.ndarray, agent: Any) -> dict[str, AgentRewardStats]:
-    """Per-agent mu_k, sigma_k and the Lemma 4.2 multiplier with its two terms.
-
-    Action-weighted: every row is a sample, for the agent and for the team. Moments are
-    population moments (divide by N), so that the lemma's identity holds exactly. When the
-    team's rewards are constant (sigma = 0) the ratios are undefined and reported as NaN.
-    """
+def agent_reward_stats(score: np.ndarray, agent: Any, *, uid: Any, traj_uid: Any) -> dict[str, AgentRewardStats]:
+    """Per agent: the Lemma 4.2 multiplier and its two terms per (``uid``, agent) group,
+    summarised over the groups (see :class:`AgentRewardStats`)."""
     score = np.asarray(score, dtype=np.float64)  # [N]
-    _check_lengths(len(score), agent=agent)
+    _check_lengths(len(score), agent=agent, uid=uid, traj_uid=traj_uid)
+    if len(score) == 0:
+        return {}
+    uid_code, n_uid = factorize(uid)  # [N]
+    _, traj_score, traj_uid_code = _trajectory_scores(score, uid_code, traj_uid)  # [T]
+    _, mu, sigma = _group_moments(traj_score, traj_uid_code, n_uid)  # [U]: what grpo uses
+    agent_code, n_agent = factorize(agent)  # [N]
+    group, n_group = _combine_codes(uid_code, agent_code, n_agent)  # [N], S
+    count, mu_k, sigma_k = _group_moments(score, group, n_group)  # [S]: what drmas uses
+    group_uid = np.zeros(n_group, dtype=np.int64)  # [S]
+    group_uid[group] = uid_code
+    group_agent = np.full(n_group, -1, dtype=np.int64)  # [S]; -1: no row (an empty bin)
+    group_agent[group] = agent_code
+    var = sigma[group_uid] ** 2  # [S]
+    # A variance at rounding level (every trajectory -0.1, say) is no spread, not a tiny one.
+    spread = var > 1e-12 * np.maximum(1.0, mu[group_uid] ** 2)  # [S]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        gap = mu_k - mu[group_uid]  # [S]
+        var_ratio = sigma_k**2 / var  # [S]
+        inflation = var_ratio + gap**2 / var  # [S]
+    names = _code_names(agent, agent_code, n_agent)
+    rows = np.bincount(agent_code, minlength=n_agent)  # [K]
+    stats = {}
+    for k in range(n_agent):
+        if rows[k] == 0:
+            continue
+        mine = group_agent == k
+        kept = mine & spread
+        stats[names[k]] = AgentRewardStats(
+            agent=names[k],
+            rows=int(rows[k]),
+            groups=int(mine.sum()),
+            flat_groups=int((mine & ~spread).sum()),
+            **_summaries(gap[kept], var_ratio[kept], inflation[kept]),
+        )
+    return stats
+
+
+def _summaries(gap: np.ndarray, var_ratio: np.ndarray, inflation: np.ndarray) -> dict[str, float]:
+    """The reference's per-agent summaries of the per-group terms (NaN over no group)."""
+    if len(gap) == 0:
+        return dict.fromkeys(
+            ("inflation_mean", "inflation_p95", "inflation_max", "mean_gap_mean", "mean_gap_abs_mean",
+             "mean_gap_abs_max", "var_ratio_mean", "var_ratio_min", "var_ratio_max"), float("nan"))
+    return {
+        "inflation_mean": float(inflation.mean()),
+        "inflation_p95": float(np.percentile(inflation, 95)),
+        "inflation_max": float(inflation.max()),
+        "mean_gap_mean": float(gap.mean()),
+        "mean_gap_abs_mean": float(np.abs(gap).mean()),
+        "mean_gap_abs_max": float(np.abs(gap).max()),
+        "var_ratio_mean": float(var_ratio.mean()),
+        "var_ratio_min": float(var_ratio.min()),
+        "var_ratio_max": float(var_ratio.max()),
+    }
+
+
+def advantage_second_moment_ratio(grpo: np.ndarray, drmas: np.ndarray, agent: Any) -> dict[str, float]:
+    """Per agent, mean(A^2) under ``grpo`` over mean(A^2) under ``drmas``, on the same rows.
+
+    The direct measurement of what the global baseline does to an agent's advantage scale
+    (no lemma needed): the factor by which it scales the agent's advantage second moment,
+    so about the square of the factor on its gradient norm. NaN where the agent's Dr. MAS
+    advantages are all 0 (every group of its calls scored the same): undefined, not large.
+    """
+    grpo = np.asarray(grpo, dtype=np.float64)  # [N]
+    drmas = np.asarray(drmas, dtype=np.float64)  # [N]
+    _check_lengths(len(grpo), drmas=drmas, agent=agent)
     codes, n_agents = factorize(agent)  # [N], K
     names = _code_names(agent, codes, n_agents)
-    global_mean = float(score.mean()) if len(score) else float("nan")
-    global_var = float(score.var()) if len(score) else float("nan")
-    count = np.bincount(codes, minlength=n_agents)  # [K]
-    mean_k = np.bincount(codes, weights=score, minlength=n_agents) / np.maximum(count, 1)  # [K]
-    deviation = score - mean_k[codes]  # [N]
-    var_k = np.bincount(codes, weights=deviation**2, minlength=n_agents) / np.maximum(count, 1)
-    # A team variance at rounding level (e.g. every score -0.1) is a constant team: the
-    # ratios are undefined there, not astronomically large.
-    spread = global_var > 1e-12 * max(1.0, global_mean**2)
+    grpo_sq = np.bincount(codes, weights=grpo**2, minlength=n_agents)  # [K]
+    drmas_sq = np.bincount(codes, weights=drmas**2, minlength=n_agents)  # [K]
     with np.errstate(divide="ignore", invalid="ignore"):
-        variance_ratio = var_k / global_var if spread else np.full(n_agents, np.nan)
-        mismatch = (mean_k - global_mean) ** 2 / global_var if spread else variance_ratio
-    return {
-        names[k]: AgentRewardStats(
-            agent=names[k],
-            rows=int(count[k]),
-            mean=float(mean_k[k]),
-            std=float(np.sqrt(var_k[k])),
-            global_mean=global_mean,
-            global_std=float(np.sqrt(global_var)),
-            variance_ratio=float(variance_ratio[k]),
-            mean_mismatch=float(mismatch[k]),
-            multiplier=float(variance_ratio[k] + mismatch[k]),
-        )
-        for k in range(n_agents)
-        if count[k] > 0
-    }
+        ratio = np.where(drmas_sq > 0, grpo_sq / drmas_sq, np.nan)  # [K]; the row counts cancel
+    return {names[k]: float(ratio[k]) for k in range(n_agents)}
 
 
 def _code_names(keys: Any, codes: np.ndarray, n_codes: int) -> list[str]:
@@ -353,14 +425,17 @@ def aggregate_loss(
     ``token-mean``: every token of the batch weighs the same. Pass ``num_tokens`` (the token
     count of the whole mini-batch) when the batch is split into micro-batches, so that the
     sum of the micro-batch losses equals the loss of the whole batch.
+    ``token-mean-per-micro-batch``: the token mean of these values alone (``num_tokens`` is
+    ignored); the caller averages over micro-batches, as veRL's gradient accumulation does.
     ``seq-mean-token-mean``: every sequence weighs the same (mean of per-sequence means).
     ``seq-mean-token-sum``: the mean over sequences of per-sequence sums.
     """
     import torch  # noqa: PLC0415
 
     mask = mask.to(values.dtype)
-    if mode == "token-mean":
-        denominator = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens)
+    if mode in ("token-mean", "token-mean-per-micro-batch"):
+        whole = num_tokens is None or mode == "token-mean-per-micro-batch"
+        denominator = mask.sum() if whole else torch.as_tensor(num_tokens)
         return (values * mask).sum() / denominator.clamp_min(1)
     per_sequence = (values * mask).sum(dim=-1)  # [B]
     if mode == "seq-mean-token-mean":

@@ -7,10 +7,12 @@ trains the same team once per (mode, seed) with ``algorithm.advantage`` set to t
 report (Markdown and PNG, into the store and to MLflow):
 
 - per-agent gradient norms over iterations for every mode (mean over seeds, band = range);
-- each agent's Lemma 4.2 multiplier and its two terms (what a global baseline does to that
-  agent's gradient second moment: 1 when its rewards look like everyone's);
-- per agent and mode, the largest gradient-norm spike (max over median of a run, mean and
-  spread over seeds), skipped non-finite steps, and final eval avg@k and pass@k.
+- per agent, what the global baseline does to it: the measured ratio of its advantage
+  second moment under GRPO over Dr. MAS (both computed on every batch), the Lemma 4.2
+  multiplier per prompt group and its two terms (1 when its rewards look like everyone's);
+- per agent, the GRPO / Dr. MAS ratio of gradient norms beside the square roots of those
+  two predictions, the largest gradient-norm spike per mode (max over median of a run,
+  mean and spread over seeds), skipped non-finite steps, and final eval avg@k and pass@k.
 
 Every run starts from the same policies: the first run's initial and warm-started policies
 are copied (byte for byte, manifest and all) into the other runs instead of being trained
@@ -93,25 +95,26 @@ def _share_start(store: Store, experiment: str, source_run: str, target_run: str
 
 
 VISIBLE_MISMATCH = 0.1
-"""How far from 1 a Lemma 4.2 multiplier must be for the global baseline to matter visibly."""
+"""How far from 1 a second-moment ratio must be for the global baseline to matter visibly."""
 
 
-def mismatch_reading(multipliers: dict[str, float]) -> str:
-    """What the measured multipliers predict for the comparison, in one sentence."""
-    measured = {agent: value for agent, value in multipliers.items() if np.isfinite(value)}
+def mismatch_reading(ratios: dict[str, float]) -> str:
+    """What the measured second-moment ratios predict for the comparison, in one sentence."""
+    measured = {agent: value for agent, value in ratios.items() if np.isfinite(value)}
     if not measured:
-        return "No iteration had rewards that differed between calls: the multipliers are undefined, and neither mode had a gradient to scale."
+        return "No batch had rewards that differed within a prompt group: the ratios are undefined, and neither mode had a gradient to scale."
     agent, value = max(measured.items(), key=lambda item: abs(item[1] - 1))
     if abs(value - 1) < VISIBLE_MISMATCH:
         return (
-            f"In this setting every agent's multiplier is within {abs(value - 1):.2f} of 1: the agents' "
-            "rewards look alike, so a global baseline scales no agent's gradient much and the two modes "
+            f"In this setting every agent's measured ratio is within {abs(value - 1):.2f} of 1: the global "
+            "baseline gives each agent about the advantage scale Dr. MAS gives it, so the two modes "
             "should behave alike; differences within the spread over seeds below are noise, not the "
             "effect the paper reports."
         )
     return (
-        f"In this setting the global baseline scales {agent}'s gradient second moment by {value:.2f} "
-        "on average (Dr. MAS's per-agent baseline makes it 1): the results below show what that does."
+        f"In this setting the global baseline scales {agent}'s advantage second moment by {value:.2f} "
+        f"on average (so its gradient norm by about {np.sqrt(value):.2f}) relative to Dr. MAS: the "
+        "results below show what that does."
     )
 
 
@@ -174,7 +177,7 @@ def write_comparison(config: DrmasConfig, store: Store, name: str, runs: list[Co
         figures = []
         for stem, title, keys in (
             ("grad_norms", "gradient norm (before clipping)", [("", "grad_norm")]),
-            ("lemma", "Lemma 4.2 multiplier and its terms", [("multiplier", "lemma_multiplier"), ("mean mismatch", "lemma_mean_mismatch"), ("variance ratio", "lemma_variance_ratio")]),
+            ("lemma", "global baseline vs Dr. MAS", [("measured A^2 ratio", "adv_sq_ratio"), ("Lemma 4.2 multiplier", "lemma_multiplier"), ("mean gap", "lemma_mean_gap"), ("variance ratio", "lemma_var_ratio")]),
         ):
             fig, axes = plt.subplots(len(keys), len(agents), figsize=(4.5 * len(agents), 3.2 * len(keys)), squeeze=False)
             for row, (label, suffix) in enumerate(keys):
@@ -202,6 +205,18 @@ def write_comparison(config: DrmasConfig, store: Store, name: str, runs: list[Co
 
 def _markdown(config: DrmasConfig, name: str, runs: list[ComparisonRun], modes: list[str], agents: list[str], k: int, figures: list[str]) -> str:
     seeds = sorted({run.seed for run in runs})
+
+    def values_of(agent: str, suffix: str, mode: str | None = None) -> np.ndarray:
+        return np.array([v for run in runs if mode in (None, run.mode) for v in _series(run.history, f"agent/{agent}/{suffix}")[1]], dtype=float)
+
+    def mean_of(agent: str, suffix: str, mode: str | None = None) -> float:
+        values = values_of(agent, suffix, mode)
+        finite = values[np.isfinite(values)]
+        return float(finite.mean()) if len(finite) else float("nan")
+
+    def cell(value: float) -> str:
+        return f"{value:.3f}" if np.isfinite(value) else "n/a"
+
     lines = [
         f"# Advantage modes compared: {name}",
         "",
@@ -210,37 +225,48 @@ def _markdown(config: DrmasConfig, name: str, runs: list[ComparisonRun], modes: 
         f"seeds {', '.join(map(str, seeds))}; modes {', '.join(modes)}. Runs: "
         + ", ".join(f"`{run.run_id}`" for run in runs) + f"; all start from the policies of `{runs[0].run_id}`.",
         "",
-        "## Why this setting exposes the mismatch",
+        "## What the global baseline does to each agent",
         "",
-        "A global baseline normalises every agent's advantages with the statistics of all "
-        "calls. An agent whose calls concentrate in some episodes (a second Solver attempt "
-        "happens only after a rejection; an Answer agent acts mostly in episodes that "
-        "succeed) sees rewards whose mean and spread differ from the pool's, and its gradient "
-        "second moment is scaled by the Lemma 4.2 multiplier = variance ratio + mean mismatch "
-        "(1 when its rewards look like everyone's). Measured here, mean over iterations and seeds:",
+        "A global baseline normalises every agent's advantages with one prompt group's "
+        "statistics. An agent whose calls concentrate in some episodes (a second Solver attempt "
+        "happens only after a rejection; an Answer agent acts mostly in episodes that reach an "
+        "answer) sees rewards whose mean and spread differ from the group's. Measured on every "
+        "batch of every run (each batch's advantages are computed in both modes), mean over "
+        "iterations and seeds: the ratio of the agent's mean A^2 under GRPO over Dr. MAS, and the "
+        "Lemma 4.2 multiplier (sigma_k^2 + (mu_k - mu)^2) / sigma^2 per prompt group with its two "
+        "terms. Prompt groups whose trajectories all scored the same have no multiplier (both "
+        "modes give them advantage 0) and are counted apart.",
         "",
-        "| agent | mean reward | multiplier | variance ratio | mean mismatch |",
-        "|---|---|---|---|---|",
+        "| agent | calls per iteration | mean reward | measured A^2 ratio | Lemma 4.2 multiplier | its p95 | mean gap | variance ratio | groups without spread |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    def values_of(agent: str, suffix: str) -> np.ndarray:
-        return np.array([v for run in runs for v in _series(run.history, f"agent/{agent}/{suffix}")[1]], dtype=float)
-
-    def mean_of(agent: str, suffix: str) -> float:
-        values = values_of(agent, suffix)
-        finite = values[np.isfinite(values)]
-        return float(finite.mean()) if len(finite) else float("nan")
-
     for agent in agents:
-        columns = ("reward_mean", "lemma_multiplier", "lemma_variance_ratio", "lemma_mean_mismatch")
-        lines.append(f"| {agent} | " + " | ".join(_mean_spread([mean_of(agent, column)]) for column in columns) + " |")
-    multipliers = [values_of(agent, "lemma_multiplier") for agent in agents]
-    undefined = max((int((~np.isfinite(m)).sum()) for m in multipliers), default=0)
-    if undefined:
-        lines += ["", f"The multiplier is undefined where every call of an iteration earned the same reward "
-                  f"(no spread to scale by): {undefined} of {max(len(m) for m in multipliers)} iteration-runs here; the means are over the others."]
+        groups, flat = values_of(agent, "lemma_groups").sum(), values_of(agent, "lemma_flat_groups").sum()
+        share = f"{flat / groups:.0%}" if groups else "n/a"
+        columns = ("calls", "reward_mean", "adv_sq_ratio", "lemma_multiplier", "lemma_multiplier_p95", "lemma_mean_gap", "lemma_var_ratio")
+        lines.append(f"| {agent} | " + " | ".join(cell(mean_of(agent, column)) for column in columns) + f" | {share} |")
+    lines += ["", mismatch_reading({agent: mean_of(agent, "adv_sq_ratio") for agent in agents})]
+    if {"grpo", "drmas"} <= set(modes):
+        lines += [
+            "",
+            "## Gradient norms: observed against predicted",
+            "",
+            "Per agent, the mean gradient norm of its share of the loss in each mode, their ratio, "
+            "and what that ratio would be if the gradient norm scaled as the square root of each "
+            "prediction above (the lemma is about the second moment of one call's gradient, not the "
+            "norm of a mini-batch step: expect agreement in direction more than in size).",
+            "",
+            "| agent | grad norm, grpo | grad norm, drmas | observed grpo / drmas | sqrt(measured A^2 ratio) | sqrt(Lemma 4.2 multiplier) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for agent in agents:
+            grpo, drmas = mean_of(agent, "grad_norm", "grpo"), mean_of(agent, "grad_norm", "drmas")
+            observed = grpo / drmas if drmas > 0 else float("nan")
+            lines.append(
+                f"| {agent} | {cell(grpo)} | {cell(drmas)} | {cell(observed)} "
+                f"| {cell(np.sqrt(mean_of(agent, 'adv_sq_ratio')))} | {cell(np.sqrt(mean_of(agent, 'lemma_multiplier')))} |"
+            )
     lines += [
-        "",
-        mismatch_reading({agent: mean_of(agent, "lemma_multiplier") for agent in agents}),
         "",
         "## Results (mean ± spread over seeds)",
         "",

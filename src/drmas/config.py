@@ -32,6 +32,7 @@ __all__ = [
     "ConfigError",
     "DrmasConfig",
     "PolicyError",
+    "TemplateVariables",
     "WorkerGroup",
     "apply_overrides",
     "load_config",
@@ -126,6 +127,16 @@ GENERATED_DATA = {"math": "generated:arithmetic", "search": "generated:facts"}
 """The set each task uses when ``data.train`` / ``data.eval`` are unset."""
 
 
+TemplateVariables = dict[str, bool | int | float | str]
+"""Chat-template variables: JSON scalars, so that the resolved config stays plain JSON."""
+CHAT_TEMPLATE_ARGUMENTS = frozenset(
+    {"conversation", "add_generation_prompt", "continue_final_message", "tokenize"}
+    | {"return_dict", "chat_template"}
+)
+"""``apply_chat_template`` arguments that drmas sets itself: not allowed as template
+variables in ``models.NAME.chat_template_kwargs``."""
+
+
 class ModelSpec(Section):
     source: str = "scratch"
     """'scratch' builds a small model from the fields below (with a tokenizer trained on the
@@ -146,6 +157,21 @@ class ModelSpec(Section):
     """Scratch models: tokenizer vocabulary size."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype for training and rollout."""
+    chat_template_kwargs: TemplateVariables = {}
+    """Extra variables for this model's chat template, passed to every
+    ``apply_chat_template`` of its worker groups (rollout, evaluation, warm start), as the
+    reference's ``data.apply_chat_template_kwargs``; e.g. ``{enable_thinking: false}`` for
+    Qwen3, whose template otherwise lets the model think first."""
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_drmas_own_arguments(cls, value: TemplateVariables) -> TemplateVariables:
+        """drmas sets these itself (it wants the rendered text of one user turn); letting a
+        config change them would silently change what the workers tokenise."""
+        taken = sorted(set(value) & CHAT_TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by drmas itself, not a template variable")
+        return value
 
     @model_validator(mode="after")
     def _buildable(self) -> ModelSpec:
@@ -229,10 +255,15 @@ class AlgorithmConfig(Section):
     """PPO clip range above 1 (ratio <= 1 + clip_ratio_high; DAPO uses 0.28)."""
     clip_ratio_c: float = Field(3.0, gt=1.0)
     """Dual-clip bound on the loss of negative-advantage tokens."""
-    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = (
-        "token-mean"
-    )
-    """How token losses are reduced to the batch loss."""
+    loss_aggregation: Literal[
+        "token-mean", "token-mean-per-micro-batch", "seq-mean-token-mean", "seq-mean-token-sum"
+    ] = "token-mean"
+    """How token losses are reduced to the mini-batch loss. 'token-mean': every response
+    token of the mini-batch weighs the same, however the rows are packed into micro-batches.
+    'token-mean-per-micro-batch': each micro-batch's token mean, averaged over the
+    micro-batches (veRL's and the reference's gradient accumulation: a token of a short
+    micro-batch weighs more). 'seq-mean-token-mean' / 'seq-mean-token-sum': every row weighs
+    the same (the mean over rows of each row's token mean / token sum)."""
     kl_coef: float = Field(0.0, ge=0.0)
     """Weight of the low-variance KL to a frozen reference (0: no reference model kept)."""
     entropy_coef: float = Field(0.0, ge=0.0)
@@ -247,7 +278,13 @@ class RolloutConfig(Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Default sampling for every agent call (agents may override fields)."""
     max_prompt_tokens: int = Field(1024, ge=16)
-    """Prompts longer than this are truncated in the middle."""
+    """Most tokens of one agent prompt (chat-formatted); longer ones are cut as
+    ``truncation`` says."""
+    truncation: Literal["middle", "left"] = "middle"
+    """How a prompt over ``max_prompt_tokens`` is cut, as the reference's
+    ``data.truncation``: 'middle' keeps its first and last halves (the task statement and
+    the agent's role survive; the reference's math recipe), 'left' keeps its last tokens
+    (the most recent turns; the reference's search recipe)."""
     engine: Literal["hf", "sglang"] = "hf"
     """Rollout engine: transformers on CPU, or SGLang on GPUs (the gpu image)."""
 
@@ -271,9 +308,18 @@ class TrainConfig(Section):
     """Clip the global gradient norm to this value."""
     updates_per_iteration: int = Field(1, ge=1)
     """Optimizer steps per worker group per iteration, whatever its row count."""
-    recompute_old_logprobs: bool = False
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass instead of keeping them (less memory,
+    about a third more compute), as the reference's recipes do."""
+    offload_optimizer: bool = False
+    """DeepSpeed: keep the optimizer state in host memory (ZeRO-Offload), as the
+    reference's recipes do; ignored by the torch backend."""
+    recompute_old_logprobs: bool | None = None
     """Recompute the old policy's log-probs before updating instead of trusting the
-    rollout engine's (costs one forward pass; removes engine/trainer mismatch)."""
+    rollout engine's (costs one forward pass; removes engine/trainer mismatch). Unset: on
+    when the engine's log-probs can drift from the trainer's (rollout.engine sglang, or a
+    bfloat16 model), as the reference always recomputes; off otherwise. Resolved when the
+    config is loaded, so the resolved config records the value the run used."""
 
 
 class WarmstartConfig(Section):
@@ -411,6 +457,23 @@ class DrmasConfig(Section):
             raise ValueError("\n".join(problems))
         return self
 
+    @model_validator(mode="after")
+    def _resolve_automatic_defaults(self) -> DrmasConfig:
+        """Fill the fields whose default depends on others; a copy is assigned (not the
+        nested section changed in place) so that a section object the caller passed in is
+        never altered. The assignment validates once more and finds nothing left to fill."""
+        if self.train.recompute_old_logprobs is None:
+            drift = self._logprobs_may_drift()
+            self.train = self.train.model_copy(update={"recompute_old_logprobs": drift})
+        return self
+
+    def _logprobs_may_drift(self) -> bool:
+        """Whether the rollout engine's log-probs can differ from the trainer's for the same
+        weights: SGLang's kernels are not the trainer's, and bfloat16 rounds differently
+        along the two paths."""
+        bf16 = any(g.spec is not None and g.spec.dtype == "bfloat16" for g in self.worker_groups())
+        return self.rollout.engine == "sglang" or bf16
+
     def _agent_problems(self) -> list[str]:
         try:
             expected = orchestra_agents(self.task.orchestra_name)
@@ -534,6 +597,13 @@ class DrmasConfig(Section):
             )
         return groups
 
+    def worker_group(self, name: str) -> WorkerGroup:
+        """One worker group by name (e.g. in a process that was handed only its name)."""
+        for group in self.worker_groups():
+            if group.name == name:
+                return group
+        raise KeyError(f"no worker group {name!r}; worker groups: {', '.join(g.name for g in self.worker_groups())}")
+
     def agent_to_worker_group(self) -> dict[str, str]:
         """Agent name -> worker-group name."""
         return {agent: wg.name for wg in self.worker_groups() for agent in wg.agents}
@@ -576,6 +646,12 @@ class WorkerGroup:
     lr: float
     micro_batch_size: int
     warmup_steps: int
+
+    @property
+    def chat_template_kwargs(self) -> TemplateVariables:
+        """The template variables of this group's model (none for a model named directly
+        by hub id or folder instead of by a key of ``models``)."""
+        return dict(self.spec.chat_template_kwargs) if self.spec is not None else {}
 
 
 # --------------------------------------------------------------------------------------

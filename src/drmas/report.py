@@ -11,8 +11,9 @@ and a run on another machine all get the same report. Figures:
 - ``grad_norms.png``: per-agent gradient norms (``diagnostics.per_agent_grad_norm``) or,
   without them, per-worker-group ones;
 - ``advantages.png``: each agent's advantage mean and standard deviation;
-- ``lemma.png``: each agent's Lemma 4.2 multiplier (the factor by which a global baseline
-  scales that agent's gradient second moment) and its two terms.
+- ``lemma.png``: per agent, the measured factor by which the global baseline scales its
+  advantage second moment (mean A^2 under GRPO over Dr. MAS, on the same batch) beside the
+  Lemma 4.2 multiplier (mean over prompt groups), and the lemma's two terms.
 """
 
 from __future__ import annotations
@@ -116,9 +117,11 @@ def write_report(config: DrmasConfig, history: History, out_dir: Path, summary_t
         ([(a, f"agent/{a}/adv_std") for a in agents], "advantage std per agent", "std"),
     ])
     figure("lemma.png", [
-        ([(a, f"agent/{a}/lemma_multiplier") for a in agents], "Lemma 4.2 multiplier (global baseline)", "multiplier"),
-        ([(f"{a} mean mismatch", f"agent/{a}/lemma_mean_mismatch") for a in agents]
-         + [(f"{a} variance ratio", f"agent/{a}/lemma_variance_ratio") for a in agents], "its two terms", "term"),
+        ([(f"{a} measured", f"agent/{a}/adv_sq_ratio") for a in agents]
+         + [(f"{a} Lemma 4.2", f"agent/{a}/lemma_multiplier") for a in agents],
+         "global baseline / Dr. MAS, advantage second moment", "ratio"),
+        ([(f"{a} mean gap", f"agent/{a}/lemma_mean_gap") for a in agents]
+         + [(f"{a} variance ratio", f"agent/{a}/lemma_var_ratio") for a in agents], "the lemma's terms, mean over prompt groups", "term"),
     ])
     lines = [f"# drmas run report: {config.experiment.name}", ""]
     if summary_text:

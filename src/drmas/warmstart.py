@@ -233,7 +233,7 @@ def _fine_tune(config: DrmasConfig, folder: Path, pairs: list[tuple[str, str]], 
     model.train()
     rows = []
     for prompt, response in pairs:
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False, **config.worker_group(label).chat_template_kwargs)
         prompt_ids = tokenizer(chat, add_special_tokens=False)["input_ids"][-config.rollout.max_prompt_tokens :]
         response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append({"prompt_ids": prompt_ids, "response_ids": response_ids, "rollout_logprobs": [0.0] * len(response_ids), "advantage": 0.0, "agent": ""})

@@ -1,8 +1,10 @@
 """A worker group's rollout side: its tokenizer, its engine, and the policy version it holds.
 
 ``WorkerGroupRuntime`` runs inside a Ray actor (one per worker group) or in-process. It
-turns agent prompts (text) into chat-formatted token ids with ITS OWN tokenizer, so a
-heterogeneous team (different models, different tokenizers) just works, and it reloads
+turns agent prompts (text) into chat-formatted token ids with ITS OWN tokenizer and its
+model's chat-template variables, so a heterogeneous team (different models, different
+tokenizers, Qwen3 with thinking off beside a model without that switch) just works; an
+over-long prompt is cut as ``rollout.truncation`` says. It reloads
 weights only when asked for a policy version other than the one it holds: the store is
 the source of truth, the actor a cache.
 """
@@ -14,13 +16,14 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from drmas.config import PolicyError, SamplingConfig, StoreConfig
+from drmas.config import PolicyError, SamplingConfig, StoreConfig, TemplateVariables
 from drmas.engines import make_engine
 from drmas.layout import PolicyRef
 from drmas.store import Store
 
-__all__ = ["GenerationResult", "PolicyNotLoaded", "PolicyRef", "WorkerGroupRuntime"]
+__all__ = ["GenerationResult", "PolicyNotLoaded", "PolicyRef", "WorkerGroupRuntime", "truncate_prompt"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ class WorkerGroupRuntime:
         max_prompt_tokens: int = 1024,
         cache_dir: str | None = None,
         threads: int | None = None,
+        truncation: Literal["middle", "left"] = "middle",
+        chat_template_kwargs: TemplateVariables | None = None,
     ) -> None:
         if threads:
             import torch  # noqa: PLC0415 - only where a runtime is made: the rollout driver never needs it
@@ -60,6 +65,8 @@ class WorkerGroupRuntime:
         self.store_config = store
         self.engine = make_engine(engine, dtype)
         self.max_prompt_tokens = max_prompt_tokens
+        self.truncation = truncation
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.cache_dir = Path(cache_dir or Path.home() / ".cache" / "drmas" / "policies")
         self.version: str | None = None
         self.tokenizer = None
@@ -129,13 +136,28 @@ class WorkerGroupRuntime:
 
     def _encode(self, message: str) -> list[int]:
         text = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False
+            [{"role": "user", "content": message}],
+            add_generation_prompt=True,
+            tokenize=False,
+            **self.chat_template_kwargs,
         )
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) <= self.max_prompt_tokens:
-            return ids
-        half = self.max_prompt_tokens // 2  # truncate the middle: keep the task and the role
-        return ids[:half] + ids[len(ids) - (self.max_prompt_tokens - half) :]
+        return truncate_prompt(ids, self.max_prompt_tokens, self.truncation)
+
+
+def truncate_prompt(ids: list[int], max_tokens: int, truncation: Literal["middle", "left"]) -> list[int]:
+    """At most ``max_tokens`` of ``ids``, cut as the reference's ``data.truncation`` cuts:
+    'middle' keeps the first half and the last (the task statement at the start and the
+    agent's role and generation prompt at the end both survive), 'left' keeps the end (the
+    latest turns of a long multi-turn context, and the generation prompt)."""
+    if len(ids) <= max_tokens:
+        return ids
+    if truncation == "left":
+        return ids[len(ids) - max_tokens :]
+    if truncation == "middle":
+        half = max_tokens // 2
+        return ids[:half] + ids[len(ids) - (max_tokens - half) :]
+    raise ValueError(f"unknown truncation {truncation!r}; expected 'middle' or 'left'")
 
 
 def _stop_ids(tokenizer) -> list[int]:
