@@ -80,17 +80,22 @@ def test_math_loop_stops_when_approved_and_never_reruns_approved_items():
 
 def test_math_final_answer_is_the_last_solver_output():
     attempts = iter(["first try \\boxed{3}", "second try \\boxed{7}"])
+    solver_prompts = []
 
     def script(wg, prompt):
-        return next(attempts) if wg == "solver" else "wrong. <verify>reject</verify>"
+        if wg == "solver":
+            solver_prompts.append(prompt)
+            return next(attempts)
+        return "3 + 4 is not 3. <verify>reject</verify>"
 
     orchestra, team, _ = math_team(script)
     [episode] = play(orchestra, team, questions("3 + 4"), group_size=1, prefix="t")
     assert episode.final_answer == "second try \\boxed{7}"
     assert episode.reward == 1.0 and episode.success
-    # The second Solver saw the first attempt and the Verifier's verdict as team context.
-    second_prompt_context = episode.team_context
-    assert second_prompt_context[:2] == ["Solver: first try \\boxed{3}", "Verifier: reject"]
+    # The second Solver read the first attempt and the Verifier's whole critique, as in
+    # the reference (not only the verdict word).
+    assert episode.team_context[:2] == ["Solver: first try \\boxed{3}", "Verifier: 3 + 4 is not 3. <verify>reject</verify>"]
+    assert "Verifier: 3 + 4 is not 3. <verify>reject</verify>" in solver_prompts[1]
 
 
 @pytest.mark.parametrize(("passes", "expected"), [(True, ["solver", "verifier"]), (False, ["solver", "verifier", "solver"])])
@@ -167,6 +172,40 @@ def test_search_last_turn_allows_no_search_and_ends_without_answer():
     assert episode.final_answer is None and episode.reward == 0.0 and episode.done
 
 
+def test_search_answer_without_tags_is_an_empty_action_and_the_episode_goes_on():
+    """As in the reference: an untagged Answer output does not end the episode; the team
+    routes again next turn, and only a tagged answer (or the turn limit) ends it."""
+    answers = iter(["I think it is Quellin", "<think>t</think><answer>Quellin</answer>"])
+
+    def script(wg, prompt):
+        return "<verify>yes</verify>" if wg == "verifier" else next(answers)
+
+    orchestra, team, _ = search_team(script, "task.max_turns=3")
+    [episode] = play(orchestra, team, questions("capital?", answer="Quellin"), 1, "t")
+    assert agents_of(episode) == ["verifier", "answer", "verifier", "answer"]
+    assert [c.env_step for c in episode.calls] == [1, 1, 2, 2]
+    assert not episode.calls[1].is_valid and episode.reward == 1.0
+    # Never tagged: the episode runs to the turn limit and ends without an answer.
+    orchestra, team, _ = search_team(lambda wg, p: "<verify>yes</verify>" if wg == "verifier" else "Quellin", "task.max_turns=2")
+    [untagged] = play(orchestra, team, questions("capital?", answer="Quellin"), 1, "t")
+    assert agents_of(untagged) == ["verifier", "answer"] * 2
+    assert untagged.final_answer is None and untagged.reward == 0.0
+
+
+def test_search_agent_reads_the_verifiers_whole_response():
+    search_prompts = []
+
+    def script(wg, prompt):
+        if wg == "verifier":
+            return "The history is empty: search for the founder. <verify>no</verify>"
+        search_prompts.append(prompt)
+        return "<think>t</think><search>founder of Quellin</search>"
+
+    orchestra, team, _ = search_team(script, "task.max_turns=2")
+    play(orchestra, team, questions("Who founded Quellin?", answer="Mara Voss"), 1, "t")
+    assert "Verifier: The history is empty: search for the founder. <verify>no</verify>" in search_prompts[0]
+
+
 def test_search_malformed_route_counts_as_yes_and_batches_per_step():
     def script(wg, prompt):
         if wg == "verifier":
@@ -216,8 +255,16 @@ def test_search_orchestra_requires_a_retriever():
     ],
 )
 def test_parsers(agent, text, extracted, valid):
+    """What each agent extracts: the verdict word for verifiers (whose text passed on is
+    the whole response), the tag's content or the Solver's whole output for the others."""
     parsed = agent.parse(text)
-    assert (parsed.text, parsed.is_valid) == (extracted, valid)
+    if isinstance(agent, (MathVerifierAgent, RouterAgent)):
+        assert parsed.text == text.strip()
+        assert (parsed.verdict, parsed.is_valid) == (extracted, valid)
+    else:
+        assert (parsed.text, parsed.is_valid) == (extracted, valid)
+    if isinstance(agent, AnswerAgent):
+        assert parsed.acted == ("<answer>" in text)
 
 
 def test_find_tag_takes_the_last_and_survives_huge_input():

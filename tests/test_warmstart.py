@@ -50,7 +50,7 @@ def test_demonstrations_are_imperfect_as_configured():
     verdicts = [response for _, response in demos["verifier"]]
     assert len(verdicts) == len(questions) and set(verdicts) == {"<verify>approve</verify>", "<verify>reject</verify>"}
     # Every rejection is followed by a correct second attempt that saw the rejection.
-    seconds = [(p, r) for p, r in demos["solver"] if "Verifier: reject" in p]
+    seconds = [(p, r) for p, r in demos["solver"] if "Verifier: <verify>reject</verify>" in p]
     assert len(seconds) == verdicts.count("<verify>reject</verify>")
 
 

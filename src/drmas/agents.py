@@ -45,6 +45,7 @@ __all__ = [
     "SolverAgent",
     "find_tag",
     "is_plain",
+    "verifier_context",
 ]
 
 CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]")
@@ -55,10 +56,18 @@ direction marks), private use, unassigned, surrogate."""
 
 @dataclass(frozen=True)
 class Parsed:
-    """What an agent's output means: the extracted text, and whether it was well-formed."""
+    """What an agent's output means: the text passed on, and whether it was well-formed.
+
+    ``verdict`` is a verifier's decision word ("" when missing or malformed); its ``text``
+    is then the whole response, which teammates read as the critique, as in the reference.
+    ``acted`` is False when the output holds no action of the kind the role asks for (an
+    Answer agent's output without <answer> tags): an empty action, not a final one.
+    """
 
     text: str
     is_valid: bool
+    verdict: str | None = None
+    acted: bool = True
 
 
 class Agent(Protocol):
@@ -98,6 +107,14 @@ def _one_think_block(text: str) -> bool:
 
 def _context(episode: Episode) -> str:
     return "\n".join(episode.team_context)
+
+
+def verifier_context(response: str) -> str:
+    """The team-context line of a verifier's output: its whole response (the critique the
+    next Solver or the Search agent reads, as in the reference), not only its verdict.
+    Bounded by the agent's ``max_new_tokens``; the prompt's ``rollout.max_prompt_tokens``
+    truncation bounds the whole context. The warm start writes the same line."""
+    return f"Verifier: {response or 'no verdict'}"
 
 
 def _history(episode: Episode, length: int) -> str:
@@ -149,11 +166,12 @@ class MathVerifierAgent:
 # ------------------------------------------------------------------------------------
 
 
-def _verdict(response: str, options: tuple[str, str]) -> Parsed:
-    """A <verify> verdict that must be one of ``options``; anything else is malformed."""
-    verdict = find_tag(response, "verify")
+def _verdict(response: str, options: tuple[str, str], lower: bool = False) -> Parsed:
+    """A <verify> verdict that must be one of ``options`` (anything else is malformed),
+    with the whole response as the text teammates read."""
+    verdict = find_tag(response.lower() if lower else response, "verify")
     well_formed = verdict in options and not CJK.search(response)
-    return Parsed(text=verdict if verdict in options else "", is_valid=well_formed)
+    return Parsed(text=response.strip(), is_valid=well_formed, verdict=verdict if verdict in options else "")
 
 
 def _tagged_after_thinking(response: str, tag: str) -> Parsed:
@@ -196,7 +214,7 @@ class RouterAgent:
         )
 
     def parse(self, response: str) -> Parsed:
-        return _verdict(response.lower(), ("yes", "no"))
+        return _verdict(response, ("yes", "no"), lower=True)
 
 
 @dataclass(frozen=True)
@@ -232,4 +250,7 @@ class AnswerAgent:
         )
 
     def parse(self, response: str) -> Parsed:
-        return _tagged_after_thinking(response, "answer")
+        """The answer; an output without <answer> tags has not acted (the episode goes on,
+        as in the reference's search environment)."""
+        parsed = _tagged_after_thinking(response, "answer")
+        return Parsed(parsed.text, parsed.is_valid, acted=find_tag(response, "answer") is not None)

@@ -39,6 +39,7 @@ from drmas.agents import (
     RouterAgent,
     SearchAgent,
     SolverAgent,
+    verifier_context,
 )
 from drmas.config import TaskConfig
 from drmas.episodes import Episode
@@ -72,7 +73,7 @@ class Orchestra(Protocol):
 
 def _passes(verdict: Parsed, yes: str, no: str, malformed_passes: bool) -> bool:
     """A verifier's verdict as a decision; a missing or malformed one follows the setting."""
-    return verdict.text == yes if verdict.text in (yes, no) else malformed_passes
+    return verdict.verdict == yes if verdict.verdict in (yes, no) else malformed_passes
 
 
 class MathOrchestra:
@@ -102,7 +103,7 @@ class MathOrchestra:
             verdicts = team.call("verifier", pending, step=1)
             still_pending = []
             for episode, verdict in zip(pending, verdicts, strict=True):
-                episode.team_context.append(f"Verifier: {verdict.text or 'no verdict'}")
+                episode.team_context.append(verifier_context(verdict.text))
                 if not _passes(verdict, "approve", "reject", self.malformed_passes):
                     still_pending.append(episode)
             pending = still_pending
@@ -138,10 +139,12 @@ class SoloOrchestra:
 
 class SearchOrchestra:
     """Each turn the Verifier routes: 'no' runs the Search agent (its query is answered
-    with the top-k passages, shown in the next turn's history), 'yes' runs the Answer agent
-    (which ends the episode). On the last turn no search is allowed: an episode still
-    routed to search ends without an answer (reward 0). A malformed route counts as 'yes'
-    unless ``task.malformed_verdict_passes`` is False."""
+    with the top-k passages, shown in the next turn's history; the Search agent reads the
+    Verifier's whole response), 'yes' runs the Answer agent, whose tagged answer ends the
+    episode (an output without <answer> tags is an empty action: the episode goes on, as
+    in the reference). On the last turn no search is allowed: an episode still routed to
+    search, or still without an answer, ends with none (reward 0). A malformed route
+    counts as 'yes' unless ``task.malformed_verdict_passes`` is False."""
 
     agents = {"verifier": RouterAgent, "search": SearchAgent, "answer": AnswerAgent}
 
@@ -168,7 +171,7 @@ class SearchOrchestra:
             routes = team.call("verifier", active, step)
             to_search, to_answer = [], []
             for episode, route in zip(active, routes, strict=True):
-                episode.team_context.append(f"Verifier: {route.text or 'no verdict'}")
+                episode.team_context.append(verifier_context(route.text))
                 enough = _passes(route, "yes", "no", self.malformed_passes)
                 (to_answer if enough else to_search).append(episode)
             if step < self.max_turns and to_search:
@@ -177,7 +180,8 @@ class SearchOrchestra:
                 for episode, query, found in zip(to_search, queries, passages, strict=True):
                     episode.history.append((query.text, format_passages(found)))
             for episode, answer in zip(to_answer, team.call("answer", to_answer, step), strict=True):
-                episode.final_answer, episode.done = answer.text, True
+                if answer.acted:  # untagged output: an empty action, the episode goes on
+                    episode.final_answer, episode.done = answer.text, True
         for episode in episodes:
             episode.done = True
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from drmas.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent
+from drmas.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent, verifier_context
 from drmas.config import DrmasConfig
 from drmas.episodes import Episode
 from drmas.layout import run_path
@@ -101,10 +101,10 @@ def math_demonstrations(questions: list[Question], config: DrmasConfig, rng: np.
         correct = attempt == right
         verdict_right = rng.random() >= warm.verdict_noise
         approve = correct if verdict_right else not correct
-        verdict = "approve" if approve else "reject"
-        demos["verifier"].append((verifier.prompt(episode, 1), f"<verify>{verdict}</verify>"))
+        response = f"<verify>{'approve' if approve else 'reject'}</verify>"
+        demos["verifier"].append((verifier.prompt(episode, 1), response))
         if not approve:  # the second attempt, after a rejection, is right
-            episode.team_context.append(f"Verifier: {verdict}")
+            episode.team_context.append(verifier_context(response))
             demos["solver"].append((solver.prompt(episode, 1), right))
     return demos
 
@@ -133,8 +133,9 @@ def search_demonstrations(questions: list[Question], config: DrmasConfig, retrie
         for step in range(1, task.max_turns + 1):
             enough = (len(episode.history) >= len(plan)) != (rng.random() < warm.verdict_noise)
             episode.team_context = []
-            demos["verifier"].append((router.prompt(episode, step), f"<verify>{'yes' if enough else 'no'}</verify>"))
-            episode.team_context.append(f"Verifier: {'yes' if enough else 'no'}")
+            route = f"<verify>{'yes' if enough else 'no'}</verify>"
+            demos["verifier"].append((router.prompt(episode, step), route))
+            episode.team_context.append(verifier_context(route))
             if enough:
                 answer = _demonstrated_answer(episode, rng, warm.wrong_fraction)
                 demos["answer"].append((answerer.prompt(episode, step), f"<think></think><answer>{answer}</answer>"))
