@@ -62,6 +62,19 @@ def test_math_rollout_separate_models_is_deterministic(ray_session, tmp_path):
     assert again.equals(table)  # same seed, same file
 
 
+def test_the_pool_truncates_prompts_as_configured(ray_session, tmp_path):
+    """The pool's actors get ``rollout.truncation``: a middle cut keeps every prompt's
+    chat-template opening (the same first tokens on every row), a left cut drops it."""
+    openings = {}
+    for truncation in ("middle", "left"):
+        config = load_config(CONFIGS / "math_tiny.yaml", [*SMALL, "rollout.max_prompt_tokens=16", f"rollout.truncation={truncation}"])
+        _, _, [table], _, _ = run_rollouts(config, tmp_path / truncation)
+        prompts = table["prompt_ids"].to_pylist()
+        assert all(len(ids) == 16 for ids in prompts)
+        openings[truncation] = {tuple(ids[:3]) for ids in prompts}
+    assert len(openings["middle"]) == 1 and len(openings["left"]) > 1
+
+
 def test_search_rollout_one_shared_model(ray_session, tmp_path):
     config = load_config(
         CONFIGS / "search_tiny.yaml",

@@ -22,7 +22,7 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
     "rollout": ("experiment.seed", "task", "data", "models", "agents", "workers", "rollout"),
     "advantage": ("algorithm",),
     "update": ("experiment.seed", "models", "agents", "workers", "algorithm", "train", "diagnostics"),
-    "evaluate": ("experiment.seed", "task", "data", "models", "agents", "workers", "eval", "rollout.max_prompt_tokens", "rollout.engine"),
+    "evaluate": ("experiment.seed", "task", "data", "models", "agents", "workers", "eval", "rollout.max_prompt_tokens", "rollout.truncation", "rollout.engine"),
     "checkpoint": ("workers",),
 }
 """The config each stage reads: a change anywhere else leaves its cached output valid."""

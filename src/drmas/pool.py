@@ -139,6 +139,8 @@ class RayPool:
                 engine=config.rollout.engine,
                 dtype=group.spec.dtype if group.spec else "float32",
                 max_prompt_tokens=config.rollout.max_prompt_tokens,
+                truncation=config.rollout.truncation,
+                chat_template_kwargs=group.chat_template_kwargs,
                 cache_dir=str(cache_dir) if cache_dir else None,
                 threads=threads,
             )

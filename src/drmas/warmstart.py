@@ -42,7 +42,7 @@ from drmas.rollout import task_questions, task_tools
 from drmas.store import Store
 from drmas.tasks import DataError, Question
 from drmas.update import collate, token_logprobs
-from drmas.workers import PolicyRef
+from drmas.workers import PolicyRef, truncate_prompt
 
 if TYPE_CHECKING:
     from drmas.tasks.search import Retriever
@@ -235,7 +235,7 @@ def _fine_tune(config: DrmasConfig, folder: Path, pairs: list[tuple[str, str]], 
     rows = []
     for prompt, response in pairs:
         chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False, **config.worker_group(label).chat_template_kwargs)
-        prompt_ids = tokenizer(chat, add_special_tokens=False)["input_ids"][-config.rollout.max_prompt_tokens :]
+        prompt_ids = truncate_prompt(tokenizer(chat, add_special_tokens=False)["input_ids"], config.rollout.max_prompt_tokens, config.rollout.truncation)
         response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append({"prompt_ids": prompt_ids, "response_ids": response_ids, "rollout_logprobs": [0.0] * len(response_ids), "advantage": 0.0, "agent": ""})
     optimizer = torch.optim.AdamW(model.parameters(), lr=warm.lr, weight_decay=0.0)
