@@ -335,6 +335,11 @@ class WarmstartConfig(Section):
     perfect)."""
     verdict_noise: float = Field(0.1, ge=0.0, le=1.0)
     """Share of the Verifier's demonstrated verdicts that are wrong."""
+    hesitation: float | None = Field(None, ge=0.0, le=1.0)
+    """search: share of the Verifier's demonstrated verdicts that still say 'no' once every
+    hop's passage is in the history (a router that keeps searching, and on the last turn
+    leaves the episode without an answer, so that the Answer agent acts mostly in episodes
+    that succeed). Unset: ``verdict_noise``, the same error rate both ways."""
 
 
 class DiagnosticsConfig(Section):

@@ -114,7 +114,8 @@ def search_demonstrations(questions: list[Question], config: DrmasConfig, retrie
 
     A verdict is "yes" once every hop of the question's plan is in the history, flipped
     with probability ``verdict_noise`` (answering too early, or searching once too often,
-    which on the last turn leaves the episode without an answer). A query after the plan
+    which on the last turn leaves the episode without an answer; ``hesitation``, when set,
+    is the probability of the second mistake). A query after the plan
     ran out repeats the last hop's. The answer is the gold one when the passages hold it,
     else (and with probability ``wrong_fraction``) another name from the passages or the
     question: the mistake of copying the wrong entity.
@@ -131,7 +132,9 @@ def search_demonstrations(questions: list[Question], config: DrmasConfig, retrie
             raise DataError(f"warm start: no demonstration for question {question.qid!r} (only generated:facts has them)")
         episode = Episode("u", "t", 0, question)
         for step in range(1, task.max_turns + 1):
-            enough = (len(episode.history) >= len(plan)) != (rng.random() < warm.verdict_noise)
+            complete = len(episode.history) >= len(plan)
+            noise = warm.hesitation if complete and warm.hesitation is not None else warm.verdict_noise
+            enough = complete != (rng.random() < noise)
             episode.team_context = []
             route = f"<verify>{'yes' if enough else 'no'}</verify>"
             demos["verifier"].append((router.prompt(episode, step), route))
