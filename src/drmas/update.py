@@ -9,16 +9,22 @@
 3. Per micro-batch: the current policy's log-probs of the response tokens, the clipped loss
    of ``drmas.algos.policy_loss`` with the row's advantage on every response token (old
    log-probs from the rollout, or recomputed), optional KL to the frozen initial policy
-   and entropy bonus; gradients accumulate over the mini-batch.
+   and entropy bonus; gradients accumulate over the mini-batch. ``token-mean`` weighs
+   every token of the mini-batch alike; ``token-mean-per-micro-batch`` averages the
+   micro-batches' token means (veRL's). ``train.gradient_checkpointing`` recomputes the
+   decoder layers' activations in the backward pass.
 4. Clip the gradient norm; a non-finite norm skips the step (counted, never checkpointed).
+   With ``diagnostics.per_agent_grad_norm``, before each step the norm of the gradient of
+   each agent's share of the loss, from a side pass that leaves the update unchanged.
 5. Write the new policy (HF layout, safetensors) and the optimizer, scheduler and RNG state
    (safetensors + JSON, never pickle) as two artifacts, manifests last.
 
-Data-parallel: under ``torchrun`` each rank takes every world-size-th micro-batch and the
-gradients are summed across ranks; the loss is normalised by the mini-batch's global token
-count, so 2 processes compute the same update as 1. Backends: plain torch (AdamW), or
-DeepSpeed (ZeRO stage from config, the same torch optimizer on CPU; gloo on CPU, nccl on
-GPU).
+Data-parallel: under ``torchrun`` each rank takes every world-size-th micro-batch (and
+empty ones, so that all ranks run as many) and the gradients are summed across ranks; the
+loss is normalised by the mini-batch's global token (or micro-batch) count, so 2 processes
+compute the same update as 1. Backends: plain torch (AdamW), or DeepSpeed (ZeRO 0-3 from
+config, the same torch optimizer, optionally offloaded to host memory; gloo on CPU, nccl
+on GPU).
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ import os
 import tempfile
 import time
 import zlib
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +47,7 @@ import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 
-from drmas.algos import aggregate_loss, policy_loss
+from drmas.algos import LossAggregation, aggregate_loss, policy_loss
 from drmas.config import DrmasConfig, WorkerGroup
 from drmas.layout import StageResult, optim_path, policy_path, stage_path
 from drmas.models import load_model, load_tokenizer
@@ -118,7 +126,8 @@ def collate(rows: list[dict[str, Any]], pad_id: int) -> MicroBatch:
 def token_logprobs(model: torch.nn.Module, batch: MicroBatch, want_entropy: bool, temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(next token) [B, L-1] under ``model``, and the per-token entropy if asked;
     with ``temperature`` ([B], see ``sampling_temperatures``) of the logits divided by it."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    # No KV cache: it is for generation, costs memory here and cannot be checkpointed.
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1].float()
     if temperature is not None:
         logits = logits / temperature[:, None, None]
     log_probs = torch.log_softmax(logits, dim=-1)  # [B, L-1, V]
@@ -152,6 +161,8 @@ class TorchEngine:
 
     def __init__(self, model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> None:
         self.model = model
+        self.forward_model: torch.nn.Module = model
+        """What the update's forward passes go through (DeepSpeed: its engine)."""
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=group.lr, weight_decay=config.train.weight_decay)
         warmup = group.warmup_steps
@@ -185,9 +196,6 @@ class TorchEngine:
         self.optimizer.zero_grad(set_to_none=True)
         return stepped, norm
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
     def export_state(self) -> TrainState:
         return capture_state(self.model, self.optimizer, self.scheduler)
 
@@ -196,6 +204,18 @@ class TorchEngine:
 
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
+
+    @contextmanager
+    def side_pass(self) -> Iterator[None]:
+        """Around a forward/backward that must leave no trace on the update (diagnostics):
+        the RNG is restored afterwards, so dropout draws the same masks in the real pass."""
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            yield
+
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        """The weights for rank 0 to save, or None when the model's own parameters are whole."""
+        return None
 
     def _all_reduce(self) -> None:
         if _world()[1] > 1:
@@ -206,10 +226,12 @@ class TorchEngine:
 
 
 class DeepSpeedEngine(TorchEngine):
-    """DeepSpeed (ZeRO 0-2) around the same torch AdamW; DeepSpeed clips and steps.
+    """DeepSpeed (ZeRO 0-3) around the same torch AdamW; DeepSpeed clips and steps.
 
     DeepSpeed averages gradients over ranks; the loss is scaled by the world size so that
-    the result is the same sum as the torch engine's.
+    the result is the same sum as the torch engine's. The model is loaded whole and
+    ``deepspeed.initialize`` partitions it for ZeRO-3 (``zero.Init`` would only spare the
+    peak of loading it whole).
     """
 
     def __init__(self, model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> None:
@@ -219,19 +241,12 @@ class DeepSpeedEngine(TorchEngine):
 
         _ensure_process_group()
         _, world = _world()
-        ds_config = {
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": 1,
-            "train_batch_size": world,
-            "gradient_clipping": config.train.grad_clip,
-            "zero_optimization": {"stage": config.train.zero_stage},
-            "bf16": {"enabled": group.spec is not None and group.spec.dtype == "bfloat16"},
-            "steps_per_print": 2**31 - 1,
-            "wall_clock_breakdown": False,
-        }
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=self.optimizer, lr_scheduler=self.scheduler, config=ds_config
+            model=model, optimizer=self.optimizer, lr_scheduler=self.scheduler, config=deepspeed_config(config, group, world)
         )
+        # DeepSpeed's forward does per-micro-batch bookkeeping: without it ZeRO-3 overwrites
+        # the accumulated gradient with each micro-batch's instead of adding to it.
+        self.forward_model = self.engine
         self.world = world
         self.zero_stage = config.train.zero_stage
 
@@ -241,7 +256,7 @@ class DeepSpeedEngine(TorchEngine):
 
     def grad_norm(self) -> float:
         """ZeRO-0 leaves the reduced gradients on the parameters: measure them before the
-        step, so that a non-finite norm skips it. ZeRO-1/2 partition them: DeepSpeed
+        step, so that a non-finite norm skips it. ZeRO-1/2/3 partition them: DeepSpeed
         reports the norm while it steps (and the skip is DeepSpeed's to make)."""
         return self._local_norm() if self.zero_stage == 0 else float("nan")
 
@@ -255,12 +270,35 @@ class DeepSpeedEngine(TorchEngine):
         reported = self.engine.get_global_grad_norm()
         return True, float(reported) if reported is not None else float("nan")
 
-    def zero_grad(self) -> None:
-        self.engine.zero_grad()
+    @contextmanager
+    def side_pass(self) -> Iterator[None]:
+        """ZeRO-3 gathers each module's parameters for its backward and DeepSpeed's own
+        backward partitions the leftovers at its end (from a gradient hook, which a side
+        pass never fires): partition them here, as its public ``empty_partition_cache``
+        does (a no-op below stage 3)."""
+        with super().side_pass():
+            yield
+        self.engine.empty_partition_cache()
+
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        """ZeRO-3 keeps each parameter partitioned across ranks: gather one at a time (every
+        rank takes part) and keep a copy on rank 0, so no rank holds the whole model at once."""
+        if self.zero_stage < 3:
+            return None
+        from deepspeed.runtime.zero import GatheredParameters  # noqa: PLC0415
+
+        rank, _ = _world()
+        weights: dict[str, torch.Tensor] = {}
+        for name, param in self.model.named_parameters():
+            with GatheredParameters([param]):
+                if rank == 0:
+                    weights[name] = param.detach().cpu().clone()
+        return weights if rank == 0 else None
 
     def export_state(self) -> TrainState:
-        """ZeRO-1/2 keep Adam's moments in flat partitions: gather them per parameter, so
-        the saved state has one layout whatever the stage and the number of ranks."""
+        """ZeRO-1/2/3 keep Adam's moments in flat partitions: gather them per parameter (a
+        collective: every rank calls this), so the saved state has one layout whatever the
+        stage and the number of ranks."""
         if self.zero_stage == 0:
             return super().export_state()
         from deepspeed.utils import safe_get_full_optimizer_state  # noqa: PLC0415
@@ -279,26 +317,69 @@ class DeepSpeedEngine(TorchEngine):
             return
         from deepspeed.utils import safe_set_full_optimizer_state  # noqa: PLC0415
 
-        # AdamW creates its moments at the first step and DeepSpeed links per-parameter
-        # views of them only then: create them as AdamW would (zeros) and link them with
-        # DeepSpeed's own lazy hook (0.19), so that a resumed run can set them.
+        shapes = {name: _full_shape(param) for name, param in self.model.named_parameters()}
+        if problem := _state_mismatch(state, shapes):
+            raise ValueError(problem)
+        # AdamW creates its moments at the first step: create them as it would (zeros) on
+        # the flat partitions. ZeRO-1/2 link per-parameter views of them only then: link
+        # them with DeepSpeed's own lazy hook (0.19); ZeRO-3 reads the flat state directly.
         base = self.engine.optimizer.optimizer
-        for group in base.param_groups:
-            for flat in group["params"]:
-                base.state[flat] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
-        self.engine.optimizer._lazy_init_hp_params_optimizer_state()
+        for flat in self._flat_partitions():
+            base.state[flat] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+        if self.zero_stage < 3:
+            self.engine.optimizer._lazy_init_hp_params_optimizer_state()
         for name, param in self.model.named_parameters():
             for key in ("exp_avg", "exp_avg_sq"):
                 safe_set_full_optimizer_state(param, state.tensors[f"optim/{name}/{key}"].clone(), key)
         step = next(iter(state.meta["steps"].values()), 0.0)
-        for slot in self.engine.optimizer.optimizer.state.values():
+        for slot in base.state.values():
             slot["step"] = torch.tensor(step)
         _restore_scheduler(self.scheduler, self.engine.optimizer, state.meta)
         torch.set_rng_state(state.tensors["rng/torch"])
 
+    def _flat_partitions(self) -> list[torch.Tensor]:
+        """This rank's fp32 partitions, which the torch AdamW steps and keys its state by
+        (ZeRO-3 puts them in its param groups only while it steps)."""
+        wrapper = self.engine.optimizer
+        if self.zero_stage == 3:
+            return list(wrapper.fp32_partitioned_groups_flat)
+        return [flat for group in wrapper.optimizer.param_groups for flat in group["params"]]
+
     def _base_step(self) -> float:
         slots = list(self.engine.optimizer.optimizer.state.values())
         return float(slots[0]["step"]) if slots and "step" in slots[0] else 0.0
+
+
+def deepspeed_config(config: DrmasConfig, group: WorkerGroup, world: int) -> dict[str, Any]:
+    """DeepSpeed's config for this worker group: one backward per ``engine.backward`` and
+    boundary (drmas accumulates micro-batches itself), clipping, ZeRO stage, bf16 and,
+    with ``train.offload_optimizer``, Adam's state and step in host memory (ZeRO >= 1).
+
+    Offloading keeps the torch AdamW: DeepSpeed refuses a client optimizer there unless
+    ``zero_force_ds_cpu_optimizer`` is off (its CPU Adam compiles for a minute on CPU)."""
+    train = config.train
+    zero: dict[str, Any] = {"stage": train.zero_stage}
+    if train.offload_optimizer:
+        if train.zero_stage == 0:
+            raise ValueError("train.offload_optimizer needs train.zero_stage >= 1 (ZeRO-0 keeps no optimizer partition to offload)")
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world,
+        "gradient_clipping": train.grad_clip,
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,
+        "bf16": {"enabled": group.spec is not None and group.spec.dtype == "bfloat16"},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _full_shape(param: torch.nn.Parameter) -> torch.Size:
+    """A parameter's whole shape, also under ZeRO-3 (whose ``param.shape`` is empty
+    outside its module's forward and backward)."""
+    return param.ds_shape if hasattr(param, "ds_shape") else param.shape
 
 
 def _ensure_process_group() -> None:
@@ -361,7 +442,7 @@ def restore_state(state: TrainState, model: torch.nn.Module, optimizer: torch.op
     """Load ``state`` into the optimizer; a state of another model (parameters this model
     does not have, or shapes other than its own) is refused before anything is applied."""
     params = dict(model.named_parameters())
-    if problem := _state_mismatch(state, params):
+    if problem := _state_mismatch(state, {name: param.shape for name, param in params.items()}):
         raise ValueError(problem)
     for name, param in params.items():
         if name not in state.meta["steps"]:
@@ -374,9 +455,9 @@ def restore_state(state: TrainState, model: torch.nn.Module, optimizer: torch.op
     torch.set_rng_state(state.tensors["rng/torch"])
 
 
-def _state_mismatch(state: TrainState, params: dict[str, torch.nn.Parameter]) -> str | None:
-    """How a saved optimizer state fails to fit these parameters, or None."""
-    foreign = sorted(set(state.meta["steps"]) - set(params))
+def _state_mismatch(state: TrainState, shapes: dict[str, torch.Size]) -> str | None:
+    """How a saved optimizer state fails to fit parameters of these shapes, or None."""
+    foreign = sorted(set(state.meta["steps"]) - set(shapes))
     if foreign:
         return (
             f"it holds state for {len(foreign)} parameter(s) this model does not have "
@@ -385,9 +466,9 @@ def _state_mismatch(state: TrainState, params: dict[str, torch.nn.Parameter]) ->
     for name in state.meta["steps"]:
         for key in ("exp_avg", "exp_avg_sq"):
             saved = state.tensors.get(f"optim/{name}/{key}")
-            if saved is None or saved.shape != params[name].shape:
+            if saved is None or saved.shape != shapes[name]:
                 found = "missing" if saved is None else f"of shape {tuple(saved.shape)}"
-                return f"the state for {name}.{key} is {found}, but the parameter has shape {tuple(params[name].shape)}"
+                return f"the state for {name}.{key} is {found}, but the parameter has shape {tuple(shapes[name])}"
     return None
 
 
@@ -459,7 +540,7 @@ def update(
         local = store.open(policy.artifact).download(Path(scratch) / "policy", prefix=policy.prefix)
         dtype = group.spec.dtype if group.spec is not None else "float32"
         model = load_model(local, dtype)
-        model.train()
+        _prepare_for_training(model, config.train.gradient_checkpointing)
         tokenizer = load_tokenizer(local)
         engine = make_engine(model, group, config)
         if optim is not None:
@@ -471,18 +552,33 @@ def update(
         metrics[f"wg/{wg}/time"] = time.perf_counter() - started
         metrics[f"wg/{wg}/tokens_per_s"] = metrics[f"wg/{wg}/tokens"] / max(metrics[f"wg/{wg}/time"], 1e-9)
         out_policy = policy_path(experiment, run_id, iteration, wg)
+        # Every rank takes part in gathering partitioned weights and optimizer state.
+        weights, state = engine.full_weights(), engine.export_state()
         if rank == 0:
             saved = Path(scratch) / "out"
-            model.save_pretrained(saved / "policy", safe_serialization=True)
+            model.save_pretrained(saved / "policy", safe_serialization=True, state_dict=weights)
             tokenizer.save_pretrained(saved / "policy")
-            save_state(engine.export_state(), saved / "optim")
+            save_state(state, saved / "optim")
             meta = {"stage": "update", "iteration": iteration, "wg": wg, "cache_key": cache_key}
             with store.writer(optim_path(experiment, run_id, iteration, wg), overwrite=overwrite, meta=meta) as out:
                 out.put_dir(saved / "optim", "")
             with store.writer(out_policy, overwrite=overwrite, meta=meta) as out:
                 out.put_dir(saved / "policy", "")
                 out.write_json("metrics.json", metrics)
+        if world > 1:  # every rank returns the artifact: it exists once they do
+            dist.barrier()
     return StageResult(out_policy, metrics)
+
+
+def _prepare_for_training(model: torch.nn.Module, checkpointing: bool) -> None:
+    """Training mode and, if asked, activation checkpointing of every decoder layer.
+
+    Non-reentrant checkpointing: the reentrant kind does not support ``torch.autograd.grad``
+    (the per-agent diagnostic). The KV cache, which cannot be checkpointed, is off in
+    every training forward (``token_logprobs``), not in the saved config."""
+    model.train()
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _worker_group_rows(store: Store, batch_path: str, wg: str) -> list[dict[str, Any]]:
@@ -505,6 +601,15 @@ def _reference(config: DrmasConfig, store: Store, reference: PolicyRef | None, s
     return model
 
 
+@dataclass(frozen=True)
+class MiniBatchSize:
+    """The whole mini-batch (all ranks), which every micro-batch's loss is normalised by."""
+
+    tokens: int  # response tokens
+    rows: int
+    micro_batches: int
+
+
 def _train(config, group, engine, model, ref_model, rows, pad_id, iteration, rank, world) -> dict[str, float]:
     """``updates_per_iteration`` optimizer steps over the rows; returns the wg's metrics."""
     train, algorithm = config.train, config.algorithm
@@ -513,25 +618,22 @@ def _train(config, group, engine, model, ref_model, rows, pad_id, iteration, ran
     totals: dict[str, float] = {"loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl": 0.0, "logprob_gap": 0.0}
     norms, skipped, tokens = [], 0, 0
     agent_norms: dict[str, list[float]] = {}
-    want_entropy = True
     if train.recompute_old_logprobs:
         _recompute_old_logprobs(model, rows, pad_id, group.micro_batch_size, train.max_tokens_per_micro_batch, config)
     for step_index, mini in enumerate(np.array_split(order, steps)):
         mini_rows = [rows[i] for i in mini]
-        mini_tokens = sum(len(r["response_ids"]) for r in mini_rows)
         packs = micro_batches(mini_rows, group.micro_batch_size, train.max_tokens_per_micro_batch)
-        mine = packs[rank::world]
+        size = MiniBatchSize(sum(len(r["response_ids"]) for r in mini_rows), len(mini_rows), len(packs))
+        batches = _rank_batches(mini_rows, packs, pad_id, rank, world)
         if config.diagnostics.per_agent_grad_norm:
-            for agent in sorted({r["agent"] for r in mini_rows}):
-                engine.zero_grad()
-                for pack in mine:
-                    _micro_step(engine, model, ref_model, collate([mini_rows[i] for i in pack], pad_id), mini_tokens, len(mini_rows), config, want_entropy=False, only_agent=agent, boundary=False)
-                agent_norms.setdefault(agent, []).append(TorchEngine.grad_norm(engine))
-                engine.zero_grad()
-        for index, pack in enumerate(mine):
-            batch = collate([mini_rows[i] for i in pack], pad_id)
-            weight = batch.response_mask.sum().item() / max(mini_tokens, 1)
-            stats = _micro_step(engine, model, ref_model, batch, mini_tokens, len(mini_rows), config, want_entropy, None, boundary=index == len(mine) - 1)
+            agents = sorted({row["agent"] for row in mini_rows})
+            for agent, norm in _agent_grad_norms(engine, model, ref_model, agents, batches, size, config, world).items():
+                agent_norms.setdefault(agent, []).append(norm)
+        for index, batch in enumerate(batches):
+            loss, stats = _micro_loss(engine.forward_model, ref_model, batch, size, config, want_entropy=True)
+            engine.backward(loss, boundary=index == len(batches) - 1)
+            totals["loss"] += loss.item() / steps
+            weight = batch.response_mask.sum().item() / max(size.tokens, 1)
             for key, value in stats.items():
                 if key == "logprob_gap":  # rollout engine vs trainer: only before any step
                     totals[key] += value * weight if step_index == 0 else 0.0
@@ -540,7 +642,7 @@ def _train(config, group, engine, model, ref_model, rows, pad_id, iteration, ran
         stepped, norm = engine.step(engine.grad_norm())
         skipped += int(not stepped or not math.isfinite(norm))
         norms.append(norm)
-        tokens += mini_tokens
+        tokens += size.tokens
     if world > 1:  # each rank saw its share of the micro-batches: sum the shares
         shares = torch.tensor(list(totals.values()), dtype=torch.float64)
         dist.all_reduce(shares, op=dist.ReduceOp.SUM)
@@ -563,6 +665,56 @@ def _train(config, group, engine, model, ref_model, rows, pad_id, iteration, ran
     return metrics
 
 
+def _rank_batches(rows: list[dict[str, Any]], packs: list[list[int]], pad_id: int, rank: int, world: int) -> list[MicroBatch]:
+    """This rank's micro-batches: every world-th pack, then empty ones (the last pack with
+    its response mask zeroed: no loss, no gradient) up to the busiest rank's count. ZeRO's
+    collectives in each forward and backward must line up across ranks: with one rank a
+    micro-batch short, ZeRO-2 aborts and ZeRO-3 hangs."""
+    batches = [collate([rows[i] for i in pack], pad_id) for pack in packs[rank::world]]
+    busiest = -(-len(packs) // world)
+    if len(batches) < busiest:
+        last = collate([rows[i] for i in packs[-1]], pad_id)
+        empty = replace(last, response_mask=torch.zeros_like(last.response_mask))
+        batches += [empty] * (busiest - len(batches))
+    return batches
+
+
+def _agent_grad_norms(engine: TorchEngine, model, ref_model, agents: list[str], batches: list[MicroBatch], size: MiniBatchSize, config: DrmasConfig, world: int) -> dict[str, float]:
+    """Per agent of the mini-batch (``agents``, the same list on every rank), the L2 norm
+    of the gradient of its share of the loss: its rows' terms, normalised as in the update,
+    summed over this rank's micro-batches and then over ranks. The agents' gradients add
+    up to the update's (before clipping).
+
+    The gradients come from ``torch.autograd.grad`` into a buffer of their own: they never
+    reach ``p.grad``, DeepSpeed's gradient hooks or ZeRO's partitioned buffers, so the
+    update is the same with the diagnostic on or off. ZeRO-3 gathers each module's
+    parameters for its backward as usual, so the gradients are whole on every rank. Costs
+    one forward and backward per agent and micro-batch, and one gradient-sized fp32 buffer.
+    """
+    norms = {}
+    with engine.side_pass():
+        for agent in agents:
+            losses = (_micro_loss(model, ref_model, batch, size, config, want_entropy=False, only_agent=agent)[0] for batch in batches)
+            gradient = _gradient_sum(engine.params, losses)
+            if world > 1:
+                dist.all_reduce(gradient, op=dist.ReduceOp.SUM)
+            norms[agent] = float(torch.linalg.vector_norm(gradient))
+    return norms
+
+
+def _gradient_sum(params: list[torch.nn.Parameter], losses: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The gradient of the sum of ``losses`` w.r.t. ``params``, flat and in fp32, one loss
+    (one graph) at a time; ``p.grad`` and every gradient hook stay untouched."""
+    sizes = [math.prod(_full_shape(p)) for p in params]
+    total = torch.zeros(sum(sizes), dtype=torch.float32, device=params[0].device)
+    parts = total.split(sizes)
+    for loss in losses:
+        for part, grad in zip(parts, torch.autograd.grad(loss, params, allow_unused=True), strict=True):
+            if grad is not None:  # a parameter this loss does not use contributes nothing
+                part.add_(grad.reshape(-1))
+    return total
+
+
 def _recompute_old_logprobs(model, rows, pad_id, max_rows, max_tokens, config: DrmasConfig) -> None:
     """The old policy's log-probs by the trainer itself, before any step (one no-grad pass),
     instead of the rollout engine's: removes engine/trainer numerical mismatch."""
@@ -574,8 +726,10 @@ def _recompute_old_logprobs(model, rows, pad_id, max_rows, max_tokens, config: D
                 rows[index]["old_logprobs"] = logprobs[b][batch.response_mask[b] > 0].tolist()
 
 
-def _micro_step(engine, model, ref_model, batch: MicroBatch, mini_tokens: int, mini_rows: int, config: DrmasConfig, want_entropy: bool, only_agent: str | None, boundary: bool) -> dict[str, float]:
-    """Forward, loss (normalised to the whole mini-batch), backward; returns its metrics."""
+def _micro_loss(model, ref_model, batch: MicroBatch, size: MiniBatchSize, config: DrmasConfig, want_entropy: bool, only_agent: str | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The micro-batch's share of the mini-batch loss (the shares add up to it) and its
+    token-mean metrics; with ``only_agent``, the share of that agent's rows alone,
+    normalised the same way, so that the agents' shares add up to the micro-batch's."""
     algorithm = config.algorithm
     mask = batch.response_mask
     if only_agent is not None:
@@ -587,6 +741,7 @@ def _micro_step(engine, model, ref_model, batch: MicroBatch, mini_tokens: int, m
     if ref_model is not None:
         with torch.no_grad():
             ref, _ = token_logprobs(ref_model, batch, want_entropy=False, temperature=temperature)
+    aggregation, num_tokens, factor = _normalisation(algorithm.loss_aggregation, batch, size)
     loss, stats = policy_loss(
         logprobs,
         batch.old_logprobs,
@@ -595,19 +750,15 @@ def _micro_step(engine, model, ref_model, batch: MicroBatch, mini_tokens: int, m
         clip_ratio_low=algorithm.clip_ratio_low,
         clip_ratio_high=algorithm.clip_ratio_high,
         clip_ratio_c=algorithm.clip_ratio_c,
-        aggregation=algorithm.loss_aggregation,
-        num_tokens=mini_tokens,
+        aggregation=aggregation,
+        num_tokens=num_tokens,
         ref_logprobs=ref,
         kl_coef=algorithm.kl_coef,
         entropy=entropy if algorithm.entropy_coef > 0 else None,
         entropy_coef=algorithm.entropy_coef,
     )
-    if algorithm.loss_aggregation != "token-mean":
-        loss = loss * (len(batch.agents) / mini_rows)
-    engine.backward(loss, boundary)
     with torch.no_grad():
         result = {
-            "loss": loss.item() * mini_tokens / max(mask.sum().item(), 1),
             "clipfrac": stats["clipfrac"],
             "approx_kl": stats["approx_kl"],
             "logprob_gap": aggregate_loss((logprobs.detach() - batch.rollout_logprobs).abs(), mask).item(),
@@ -616,7 +767,24 @@ def _micro_step(engine, model, ref_model, batch: MicroBatch, mini_tokens: int, m
             result["entropy"] = aggregate_loss(entropy.detach(), mask).item()
         if "kl" in stats:
             result["kl"] = stats["kl"]
-    return result
+    return loss * factor, result
+
+
+def _normalisation(mode: LossAggregation, batch: MicroBatch, size: MiniBatchSize) -> tuple[LossAggregation, int | None, float]:
+    """(aggregation, num_tokens, factor) that make ``policy_loss`` x factor a micro-batch's
+    share of the mini-batch's loss.
+
+    token-mean: every response token of the mini-batch weighs 1 / its token count.
+    token-mean-per-micro-batch: the micro-batch's token mean over the number of
+    micro-batches of the mini-batch, all ranks together (veRL's gradient accumulation); its
+    denominator is the micro-batch's whole token count, also for one agent's share.
+    seq-mean-*: the mean over the micro-batch's rows, weighted by its share of the rows.
+    """
+    if mode == "token-mean":
+        return mode, size.tokens, 1.0
+    if mode == "token-mean-per-micro-batch":
+        return "token-mean", int(batch.response_mask.sum().item()), 1.0 / size.micro_batches
+    return mode, None, len(batch.agents) / size.rows
 
 
 def main(argv: list[str] | None = None) -> int:
