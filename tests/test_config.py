@@ -113,6 +113,7 @@ def test_flat_params_name_agents():
         (["models.tiny.num_kv_heads=3"], "models.tiny: num_heads 4 is not divisible by num_kv_heads 3"),
         (["experiment.name=has space"], "experiment.name: String should match pattern"),
         (["rollout.truncation=right"], "rollout.truncation: Input should be 'middle' or 'left'"),
+        (["train.backend=deepspeed", "train.offload_optimizer=true"], "train: offload_optimizer needs zero_stage 1, 2 or 3"),
         (
             ["models.tiny.chat_template_kwargs={tokenize: true, enable_thinking: false}"],
             "models.tiny.chat_template_kwargs: tokenize: set by drmas itself, not a template variable",

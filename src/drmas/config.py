@@ -313,13 +313,19 @@ class TrainConfig(Section):
     about a third more compute), as the reference's recipes do."""
     offload_optimizer: bool = False
     """DeepSpeed: keep the optimizer state in host memory (ZeRO-Offload), as the
-    reference's recipes do; ignored by the torch backend."""
+    reference's recipes do; needs ``zero_stage`` 1 or more; ignored by the torch backend."""
     recompute_old_logprobs: bool | None = None
     """Recompute the old policy's log-probs before updating instead of trusting the
     rollout engine's (costs one forward pass; removes engine/trainer mismatch). Unset: on
     when the engine's log-probs can drift from the trainer's (rollout.engine sglang, or a
     bfloat16 model), as the reference always recomputes; off otherwise. Resolved when the
     config is loaded, so the resolved config records the value the run used."""
+
+    @model_validator(mode="after")
+    def _offload_needs_zero(self) -> TrainConfig:
+        if self.offload_optimizer and self.backend == "deepspeed" and self.zero_stage == 0:
+            raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3 (ZeRO-Offload partitions the optimizer state it moves to host memory)")
+        return self
 
 
 class WarmstartConfig(Section):
