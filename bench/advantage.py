@@ -6,6 +6,7 @@ Builds a trajectories-like Parquet file once (string keys uid/traj_uid/agent, 8 
 per prompt, 2-3 agents, 2-7 calls per trajectory), then times, on one core:
   - compute_advantages on the keys read as plain strings,
   - compute_advantages on the keys read dictionary-encoded (how the advantage stage reads),
+  - compute_advantages on the keys as numpy string arrays (what a user holds in memory),
   - the loop oracle (tests/oracle.py: plain Python over lists and dicts) on a prefix of
     the rows, scaled to the full size,
   - a per-row loop over torch tensors, the shape of the reference code's (veRL's) GRPO
@@ -129,6 +130,7 @@ def main() -> None:
     plain = pq.read_table(path, use_threads=False)
     encoded = pq.read_table(path, read_dictionary=keys, use_threads=False)
     rows = plain.num_rows
+    numpy_keys = [plain[k].to_numpy(zero_copy_only=False).astype(str) for k in keys]
     score = plain["score"].to_numpy()
     head = plain.slice(0, args.oracle_rows)
     head_columns = [head[k].to_pylist() for k in keys]
@@ -151,8 +153,8 @@ def main() -> None:
             ("loop oracle", rows / oracle_rate, f"(timed on {args.oracle_rows:,} rows, scaled)"),
             ("tensor loop", rows / tensor_rate, f"(timed on {small:,} rows, scaled)"),
         ]
-        for label, table in (("vectorised, strings", plain), ("vectorised, dict", encoded)):
-            seconds = timed(lambda: compute_advantages(score, *(table[k] for k in keys), mode))
+        for label, columns in (("vectorised, strings", [plain[k] for k in keys]), ("vectorised, dict", [encoded[k] for k in keys]), ("vectorised, numpy", numpy_keys)):
+            seconds = timed(lambda: compute_advantages(score, *columns, mode))
             measured.append((label, seconds, ""))
         for label, seconds, note in measured:
             rate = rows / seconds

@@ -97,18 +97,22 @@ def test_arrow_columns_string_dictionary_and_chunked_give_the_same_result():
     )
 
 
-@pytest.mark.parametrize("layout", ["runs", "shuffled"])
+@pytest.mark.parametrize("layout", ["runs", "runs that recur", "shuffled"])
 def test_every_factorize_path_gives_the_same_partition(tmp_path, layout):
-    """Plain, chunked and per-row-group dictionary columns, with and without long runs."""
+    """Numpy, plain, chunked and per-row-group dictionary columns, with and without long
+    runs (a key may also come back in a later run)."""
     import pyarrow.parquet as pq
 
     rng = np.random.default_rng(0)
     keys = np.repeat([f"key-{i}" for i in range(500)], rng.integers(1, 20, size=500))
     if layout == "shuffled":
         keys = rng.permutation(keys)
+    elif layout == "runs that recur":
+        keys = np.concatenate([keys, keys[::-1]])
     pq.write_table(pa.table({"k": keys}), tmp_path / "k.parquet", row_group_size=300)
     forms = {
         "numpy": keys,
+        "numpy objects": keys.astype(object),
         "plain": pq.read_table(tmp_path / "k.parquet")["k"],
         "dictionary": pq.read_table(tmp_path / "k.parquet", read_dictionary=["k"])["k"],
         "one chunk": pa.array(keys),

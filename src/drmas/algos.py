@@ -82,9 +82,27 @@ def factorize(keys: Any) -> tuple[np.ndarray, int]:
     if array.dtype.kind in "iub":
         uniques, codes = np.unique(array, return_inverse=True)
         return codes.astype(np.int64, copy=False), len(uniques)
+    return _factorize_arrow(_numpy_strings_to_arrow(array))
+
+
+def _numpy_strings_to_arrow(array: np.ndarray) -> Any:
+    """An Arrow array with the keys of a numpy string column, partitioned alike.
+
+    Converting numpy's UTF-32 strings to Arrow UTF-8 one by one costs more than the rest
+    of the advantage step. ASCII keys (ids, agent names) skip it: their code points, one
+    byte each, are the rows of a fixed-width binary array built over the same buffer
+    layout (NUL padding cannot make two different numpy strings equal: numpy drops
+    trailing NULs). Other keys are converted.
+    """
     import pyarrow as pa  # noqa: PLC0415 - only string keys need Arrow's hash table
 
-    return _factorize_arrow(pa.array(array, type=pa.string()))
+    width = array.dtype.itemsize // 4 if array.dtype.kind == "U" else 0
+    if width:
+        points = np.ascontiguousarray(array).view(np.uint32).reshape(len(array), width)  # [N, width]
+        if not len(array) or int(points.max()) < 128:
+            data = points.astype(np.uint8)  # [N, width], row-major: one key per row
+            return pa.Array.from_buffers(pa.binary(width), len(array), [None, pa.py_buffer(data)])
+    return pa.array(array, type=pa.string())
 
 
 def _is_arrow(obj: Any) -> bool:
