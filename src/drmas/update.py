@@ -359,9 +359,7 @@ def deepspeed_config(config: DrmasConfig, group: WorkerGroup, world: int) -> dic
     ``zero_force_ds_cpu_optimizer`` is off (its CPU Adam compiles for a minute on CPU)."""
     train = config.train
     zero: dict[str, Any] = {"stage": train.zero_stage}
-    if train.offload_optimizer:
-        if train.zero_stage == 0:
-            raise ValueError("train.offload_optimizer needs train.zero_stage >= 1 (ZeRO-0 keeps no optimizer partition to offload)")
+    if train.offload_optimizer:  # the config refuses it with ZeRO-0 (no partition to offload)
         zero["offload_optimizer"] = {"device": "cpu"}
     return {
         "train_micro_batch_size_per_gpu": 1,
