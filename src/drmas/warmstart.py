@@ -139,9 +139,12 @@ def search_demonstrations(questions: list[Question], config: DrmasConfig, retrie
             route = f"<verify>{'yes' if enough else 'no'}</verify>"
             demos["verifier"].append((router.prompt(episode, step), route))
             episode.team_context.append(verifier_context(route))
-            if enough:
+            # A hesitant router's Answer agent still learns at every state it could answer
+            # from: the hesitation is the router's, not a lack of answers to copy.
+            if enough or (complete and warm.hesitation is not None):
                 answer = _demonstrated_answer(episode, rng, warm.wrong_fraction)
                 demos["answer"].append((answerer.prompt(episode, step), f"<think></think><answer>{answer}</answer>"))
+            if enough:
                 break
             if step < task.max_turns:
                 query = plan[min(len(episode.history), len(plan) - 1)]
