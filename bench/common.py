@@ -31,20 +31,18 @@ MODEL_20M = [
 """Overrides that make the `tiny` model of the shipped configs a ~19M-parameter model."""
 
 TIMED: dict[str, list[tuple[str, str]]] = {
-    "drmas.engines.hf": [("HFEngine.generate", "generate")],
-    "drmas.update": [
-        ("_micro_step", "fwd_bwd"),
-        ("TorchEngine.step", "optimizer_step"),
-        ("update", "stage/update"),
-    ],
-    "drmas.rollout": [("rollout", "stage/rollout")],
-    "drmas.advantage": [("advantage", "stage/advantage")],
-    "drmas.checkpoint": [("checkpoint", "stage/checkpoint")],
-    "drmas.evaluate": [("evaluate", "stage/evaluate")],
-    "drmas.warmstart": [("warmstart", "warmstart")],
-    "drmas.workers": [("WorkerGroupRuntime.load_policy", "actor/load_policy")],
+    "drmas.generation.engines.hf": [("HFEngine.generate", "generate")],
+    "drmas.stages.update": [("update", "stage/update")],
+    "drmas.training.loop": [("_forward_backward", "fwd_bwd")],
+    "drmas.training.engines": [("TorchEngine.step", "optimizer_step"), ("DeepSpeedEngine.step", "optimizer_step")],
+    "drmas.stages.rollout": [("rollout", "stage/rollout")],
+    "drmas.stages.advantage": [("advantage", "stage/advantage")],
+    "drmas.stages.checkpoint": [("checkpoint", "stage/checkpoint")],
+    "drmas.stages.evaluate": [("evaluate", "stage/evaluate")],
+    "drmas.stages.warmstart": [("warmstart", "warmstart")],
+    "drmas.generation.workers": [("WorkerGroupRuntime.load_policy", "actor/load_policy")],
     "drmas.models": [("load_model", "load_model")],
-    "drmas.pool": [
+    "drmas.generation.pool": [
         ("connect_ray", "ray/start"),
         ("RayPool.__init__", "ray/pool_start"),
         ("RayPool.close", "ray/pool_close"),
@@ -53,8 +51,8 @@ TIMED: dict[str, list[tuple[str, str]]] = {
         ("PoolOnDemand.__exit__", "ray/shutdown"),
     ],
     "drmas.runner": [("_report", "report")],
-    "drmas.caching": [("cache_key", "cache_key")],
-    "drmas.tracking": [
+    "drmas.infra.caching": [("cache_key", "cache_key")],
+    "drmas.infra.tracking": [
         ("Tracker.__init__", "tracking/init"),
         ("Tracker.log_metrics", "tracking/log_metrics"),
         ("Tracker.log_lineage", "tracking/log_lineage"),
@@ -106,7 +104,7 @@ def _patch(module, targets: list[tuple[str, str]], path: str) -> None:
             print(f"bench timers: {module.__name__}.{dotted} not found, not timed", file=sys.stderr)
             continue
         setattr(holder, attribute, _wrap(getattr(holder, attribute), name, path))
-    if module.__name__ == "drmas.workers" and os.environ.get(THREADS_ENV):
+    if module.__name__ == "drmas.generation.workers" and os.environ.get(THREADS_ENV):
         _limit_worker_threads(module.WorkerGroupRuntime, int(os.environ[THREADS_ENV]))
 
 

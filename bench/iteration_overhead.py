@@ -12,7 +12,7 @@ user would run it, as a subprocess: ``drmas run CONFIG --run-id ... [--via kfp-l
 
 Every Python process of those runs (the driver, Ray's actors, kfp.local's task processes)
 times the engines' calls (``bench/common.py``: ``HFEngine.generate``, the update's
-``_micro_step`` = forward + backward, and the optimizer step) and the stages. Iteration i
+``_forward_backward`` = forward + backward, and the optimizer step) and the stages. Iteration i
 is the time from the end of iteration i-1's checkpoint (for iteration 0: the end of the
 warm start) to the end of iteration i's, so that everything in between counts (tracking,
 cache keys, Ray, process start-up). Prints, per mode, the mean over iterations 1..N-1
@@ -49,9 +49,9 @@ def prepare_warm_start(overrides: list[str], run_ids: list[str]) -> tuple[float,
     """Warm-start once (in this process) and copy the initial and warm-started policies
     into every run: deterministic given the config, so each run would compute the same."""
     from drmas.config import load_config  # noqa: PLC0415
-    from drmas.layout import run_path  # noqa: PLC0415
+    from drmas.infra.layout import run_path  # noqa: PLC0415
     from drmas.runner import open_run, starting_policies  # noqa: PLC0415
-    from drmas.store import Store  # noqa: PLC0415
+    from drmas.infra.store import Store  # noqa: PLC0415
 
     config = load_config(CONFIG, overrides)
     store = Store(config.store.root)

@@ -20,10 +20,10 @@ from pathlib import Path
 import ray
 
 from drmas.config import load_config
-from drmas.policies import init_policies
-from drmas.pool import RayPool, connect_ray
-from drmas.rollout import rollout
-from drmas.store import Store
+from drmas.stages.policies import init_policies
+from drmas.generation.pool import RayPool, connect_ray
+from drmas.stages.rollout import rollout
+from drmas.infra.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))

@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from drmas.config import SamplingConfig, load_config
-from drmas.episodes import Episode
-from drmas.policies import init_policies
-from drmas.rollout import task_questions
-from drmas.agents import SolverAgent
-from drmas.store import Store
-from drmas.workers import WorkerGroupRuntime
+from drmas.team.episodes import Episode
+from drmas.stages.policies import init_policies
+from drmas.stages.rollout import task_questions
+from drmas.team.agents import SolverAgent
+from drmas.infra.store import Store
+from drmas.generation.workers import WorkerGroupRuntime
 
 ROOT = Path(__file__).resolve().parent.parent
 

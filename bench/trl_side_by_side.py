@@ -127,15 +127,15 @@ def run_size(size: str, args: argparse.Namespace, scratch: Path, timings: Path) 
     from transformers import PrinterCallback, TrainerCallback  # noqa: PLC0415
     from trl import GRPOConfig, GRPOTrainer  # noqa: PLC0415
 
-    from drmas.agents import SolverAgent  # noqa: PLC0415
-    from drmas.episodes import Episode  # noqa: PLC0415
+    from drmas.team.agents import SolverAgent  # noqa: PLC0415
+    from drmas.team.episodes import Episode  # noqa: PLC0415
     from drmas.models import load_model, load_tokenizer  # noqa: PLC0415
-    from drmas.rollout import draw_questions, task_questions  # noqa: PLC0415
-    from drmas.pool import PoolOnDemand  # noqa: PLC0415
+    from drmas.stages.rollout import draw_questions, task_questions  # noqa: PLC0415
+    from drmas.generation.pool import PoolOnDemand  # noqa: PLC0415
     from drmas.runner import open_run, run_iteration, starting_policies  # noqa: PLC0415
-    from drmas.store import Store  # noqa: PLC0415
+    from drmas.infra.store import Store  # noqa: PLC0415
     from drmas.tasks.math import math_reward  # noqa: PLC0415
-    from drmas.workers import _stop_ids  # noqa: PLC0415
+    from drmas.generation.workers import _stop_ids  # noqa: PLC0415
 
     config = drmas_config(size, args, scratch)
     steps = config.experiment.iterations

@@ -24,7 +24,8 @@ import torch  # noqa: E402
 
 from drmas.config import load_config  # noqa: E402
 from drmas.models import build_scratch_policy, load_model  # noqa: E402
-from drmas.update import _train, make_engine  # noqa: E402
+from drmas.training.engines import make_engine
+from drmas.training.loop import train_worker_group  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -90,9 +91,9 @@ def main() -> None:
             engine = make_engine(model, group, config)
             params = sum(p.numel() for p in model.parameters())
             tokens = sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)
-            _train(config, group, engine, model, None, rows[:8], 0, 0, 0, 1)  # warm-up
+            train_worker_group(config, group, engine, model, None, rows[:8], 0, 0, 0, 1)  # warm-up
             started = time.perf_counter()
-            _train(config, group, engine, model, None, rows, 0, 1, 0, 1)
+            train_worker_group(config, group, engine, model, None, rows, 0, 1, 0, 1)
             seconds = time.perf_counter() - started
             rate = tokens / seconds
             results[label] = rate

@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from drmas.locals3 import LocalS3Server
-from drmas.store import Store
+from locals3 import LocalS3Server
+from drmas.infra.store import Store
 
 S3_BUCKET = "drmas-test"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download from the hub
@@ -56,7 +56,7 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory):
     import ray
 
     from drmas.config import DrmasConfig
-    from drmas.pool import connect_ray
+    from drmas.generation.pool import connect_ray
 
     config = DrmasConfig.model_validate({"agents": [{"name": "solver", "model": "m"}, {"name": "verifier", "model": "m"}]})
     started = connect_ray(config, tmp_path_factory.mktemp("ray"))

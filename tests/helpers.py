@@ -8,9 +8,9 @@ import numpy as np
 import pyarrow as pa
 
 from drmas.config import DrmasConfig, load_config
-from drmas.layout import stage_path
-from drmas.schema import TRAJECTORY_SCHEMA
-from drmas.store import Store
+from drmas.infra.layout import stage_path
+from drmas.infra.schema import TRAJECTORY_SCHEMA
+from drmas.infra.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Plain-loop oracles for drmas.algos: slow, obvious, written straight from DESIGN.md §1.
+"""Plain-loop oracles for drmas.algos: slow, obvious, written straight from docs/architecture.md §1.
 
 They exist so that the vectorised code is tested against a second, independent reading of
 the reference semantics (tests) and timed against it (bench/advantage.py).

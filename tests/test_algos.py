@@ -23,7 +23,7 @@ from drmas.algos import (
     row_scores,
 )
 
-# The worked example of DESIGN.md / the reference report: one prompt, three trajectories.
+# The worked example of docs/architecture.md §1 / the reference report: one prompt, three trajectories.
 #   t1: solver, verifier         R=1
 #   t2: solver, solver, verifier R=0
 #   t3: solver, verifier         R=1

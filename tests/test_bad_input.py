@@ -30,22 +30,24 @@ import torch
 from helpers import TINY_OVERRIDES
 from test_orchestras import ScriptedPool
 
-from drmas.advantage import advantage
-from drmas.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent
+from drmas.stages.advantage import advantage
+from drmas.team.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent
 from drmas.cli import main
 from drmas.config import load_config
-from drmas.evaluate import evaluate
-from drmas.layout import optim_path, policy_path, stage_path
+from drmas.stages.evaluate import evaluate
+from drmas.infra.layout import optim_path, policy_path, stage_path
 from drmas.models import PolicyError, load_model
-from drmas.policies import init_policies
-from drmas.rollout import rollout
-from drmas.schema import TRAJECTORY_SCHEMA
-from drmas.store import MANIFEST, CorruptArtifact, Store
+from drmas.stages.policies import init_policies
+from drmas.stages.rollout import rollout
+from drmas.infra.schema import TRAJECTORY_SCHEMA
+from drmas.infra.store import MANIFEST, CorruptArtifact, Store
 from drmas.tasks import Question
 from drmas.tasks.math import math_reward
 from drmas.tasks.search import exact_match
-from drmas.update import TorchEngine, capture_state, save_state, update
-from drmas.workers import PolicyRef
+from drmas.stages.update import update
+from drmas.training.engines import TorchEngine
+from drmas.training.state import capture_state, save_state
+from drmas.generation.workers import PolicyRef
 
 ROOT = Path(__file__).resolve().parents[1]
 MATH = str(ROOT / "configs" / "math_tiny.yaml")
@@ -150,7 +152,7 @@ def test_a_bad_eval_file_stops_drmas_eval_before_ray_starts(tmp_path, monkeypatc
     pq.write_table(pa.table({"question": ["a", "b"], "answer": ["1", "2"]}), data)
     data.write_bytes(data.read_bytes()[:-20])  # cut off the footer
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("drmas.pool.connect_ray", refuse_ray)
+    monkeypatch.setattr("drmas.generation.pool.connect_ray", refuse_ray)
     status, err = drmas(capsys, "eval", MATH, "--run-id", RUN, f"data.eval={data}", f"store.root={tmp_path / 'runs'}")
     assert status == 1
     assert f"drmas eval: {data}: not a readable Parquet file" in err, err
@@ -303,7 +305,7 @@ def run_copy(trained_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     folder beside it, and Ray out of reach: every case here must stop before Ray starts."""
     shutil.copytree(trained_run, tmp_path / "runs")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("drmas.pool.connect_ray", refuse_ray)
+    monkeypatch.setattr("drmas.generation.pool.connect_ray", refuse_ray)
     return Store(str(tmp_path / "runs"))
 
 

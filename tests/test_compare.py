@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from helpers import TINY_OVERRIDES
 
-from drmas.compare import ComparisonRun, mismatch_reading, spike, write_comparison
+from drmas.analysis.compare import ComparisonRun, mismatch_reading, spike, write_comparison
 from drmas.config import load_config
-from drmas.store import Store
+from drmas.infra.store import Store
 
 ROOT = Path(__file__).parent.parent
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-import components
+from drmas_kfp import components
 import drmas
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = sorted(path.stem for path in (ROOT / "components").glob("*.py") if path.stem != "__init__")
+MODULES = sorted(path.stem for path in (ROOT / "src/drmas_kfp/components").glob("*.py") if path.stem != "__init__")
 STAGE_COMPONENTS = {
     "warmstart": components.warmstart,
     "rollout": components.rollout,
@@ -33,7 +33,7 @@ HEAVY = ("drmas", "torch", "ray", "pyarrow", "numpy", "pydantic", "transformers"
 def test_component_modules_import_only_the_standard_library_and_kfp():
     """Each module, imported alone in a fresh interpreter, loads no drmas and no heavy
     dependency: building and compiling pipelines does not load the training stack."""
-    for module in ["components", *(f"components.{name}" for name in MODULES)]:
+    for module in ["drmas_kfp.components", *(f"drmas_kfp.components.{name}" for name in MODULES)]:
         probe = f"import sys, {module}; print(','.join(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))))"
         done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True)
         assert done.stdout.strip() == "", f"{module} imports {done.stdout.strip()}"
@@ -54,9 +54,9 @@ def test_component_sources_follow_the_import_rules():
     """Top level: the standard library, kfp and this package's image constants. Function
     bodies (shipped alone as the task's program): absolute imports of drmas or the
     standard library only."""
-    allowed_top = set(sys.stdlib_module_names) | {"kfp", "components"}
+    allowed_top = set(sys.stdlib_module_names) | {"kfp", "drmas_kfp"}
     for name in MODULES:
-        tree = ast.parse((ROOT / "components" / f"{name}.py").read_text())
+        tree = ast.parse((ROOT / "src/drmas_kfp/components" / f"{name}.py").read_text())
         assert _top_level_imports(tree) <= allowed_top, name
         for function in (node for node in tree.body if isinstance(node, ast.FunctionDef)):
             for node in ast.walk(function):
@@ -111,8 +111,8 @@ def test_a_component_under_kfp_local_reads_and_writes_the_store(tmp_path, monkey
     metrics.path (without that file kfp.local never caches the task)."""
     from kfp import dsl, local
 
-    from drmas.caching import cache_key
-    from drmas.layout import stage_path
+    from drmas.infra.caching import cache_key
+    from drmas.infra.layout import stage_path
     from helpers import stored_rollout
 
     monkeypatch.chdir(tmp_path)
@@ -147,10 +147,10 @@ def test_a_checkpoint_imported_by_uri_becomes_the_next_iterations_policy_set(tmp
     the policy set; a checkpoint of another iteration than the one before is refused."""
     from kfp import dsl, local
 
-    from drmas.checkpoint import checkpoint
+    from drmas.stages.checkpoint import checkpoint
     from drmas.config import load_config
-    from drmas.layout import optim_path, policy_path, stage_path
-    from drmas.store import Store
+    from drmas.infra.layout import optim_path, policy_path, stage_path
+    from drmas.infra.store import Store
 
     monkeypatch.chdir(tmp_path)
     config = load_config(ROOT / "configs" / "math_tiny.yaml", [f"store.root={tmp_path / 'runs'}"])

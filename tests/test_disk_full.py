@@ -31,7 +31,7 @@ SCENARIO = textwrap.dedent(
     """
     import errno, json, os, sys
     from pathlib import Path
-    from drmas.store import Store, StoreError
+    from drmas.infra.store import Store, StoreError
 
     root, big, fill_before_manifest = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "yes"
 

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 from test_update import ROOT, WG, make_run
 
-from drmas.advantage import advantage
+from drmas.stages.advantage import advantage
 
 pytestmark = pytest.mark.slow
 
@@ -57,18 +57,19 @@ SCRIPT = """
 import json, os, sys
 from pathlib import Path
 import torch.distributed as dist
-import drmas.update as U
+import drmas.stages.update as U
+import drmas.training.engines as E
 from drmas.config import DrmasConfig
-from drmas.layout import optim_path
-from drmas.store import Store
-from drmas.workers import PolicyRef
+from drmas.infra.layout import optim_path
+from drmas.infra.store import Store
+from drmas.generation.workers import PolicyRef
 
-config_for = U.deepspeed_config
+config_for = E.deepspeed_config
 def small_params_partitioned(config, group, world):
     ds = config_for(config, group, world)
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     return ds
-U.deepspeed_config = small_params_partitioned
+E.deepspeed_config = small_params_partitioned
 made = []
 make_engine = U.make_engine
 U.make_engine = lambda *args: made.append(make_engine(*args)) or made[-1]
@@ -85,7 +86,7 @@ for case in json.loads(Path(sys.argv[1]).read_text()):
         result = U.update(config, store, "run", 0, case["wg"], PolicyRef(result.artifact), optim, overwrite=True)
     if config.train.zero_stage == 3 and config.train.backend == "deepspeed":
         assert all(p.numel() == 0 for p in made[-1].params), "ZeRO-3 kept parameters whole"
-    if U._world()[0] == 0:
+    if E.rank_and_world()[0] == 0:
         store.open(result.artifact).download(out / case["name"])
         (out / case["name"] / "metrics.json").write_text(json.dumps(result.metrics))
 """

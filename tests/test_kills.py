@@ -1,6 +1,6 @@
 """Kill -9 inside every stage, resume, and end exactly where a run that was never killed ends.
 
-One run is killed again and again at seeded points (``drmas.faults``: a SIGKILL of the run's
+One run is killed again and again at seeded points (``drmas.infra.faults``: a SIGKILL of the run's
 whole process group at a chosen file of a chosen artifact, sometimes half-way through
 writing it), plus kills at seeded random times, and resumed after each. After every kill
 no artifact a reader can open is partial (every manifest's files match it) and the killed
@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from helpers import TINY_OVERRIDES
 
-from drmas.faults import KILL_AT
-from drmas.store import MANIFEST, Store
+from drmas.infra.faults import KILL_AT
+from drmas.infra.store import MANIFEST, Store
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parent.parent

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from drmas.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent, find_tag
+from drmas.team.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent, find_tag
 from drmas.config import load_config
-from drmas.episodes import Episode
-from drmas.orchestras import MathOrchestra, SearchOrchestra, Tools
-from drmas.rollout import build_team, draw_questions, play
+from drmas.team.episodes import Episode
+from drmas.team.orchestras import MathOrchestra, SearchOrchestra, Tools
+from drmas.stages.rollout import build_team, draw_questions, play
 from drmas.tasks import Question
 from drmas.tasks.search import Passage, Retriever
-from drmas.workers import GenerationResult
+from drmas.generation.workers import GenerationResult
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -283,7 +283,7 @@ def test_draw_questions_cycles_epochs_without_repeats():
 
 
 USER_ORCHESTRA = '''
-from drmas.agents import Parsed
+from drmas.team.agents import Parsed
 
 
 class Planner:
@@ -335,7 +335,7 @@ def test_a_user_orchestra_named_by_import_path_runs(tmp_path, monkeypatch):
 
 
 def test_avg_and_pass_at_k_by_hand():
-    from drmas.evaluate import success_at_k
+    from drmas.stages.evaluate import success_at_k
 
     # q0 (source a): successes [1, 0] -> avg 0.5, pass 1; q1 (source b): [0, 0] -> 0, 0.
     episodes = []

@@ -17,12 +17,12 @@ import pytest
 import yaml
 from helpers import TINY_OVERRIDES
 
-import components
+from drmas_kfp import components
 import drmas
 from drmas.cli import main
 from drmas.config import load_config
-from pipelines.build import build_pipeline, compile_pipeline, parse_force
-from pipelines.platform import S3_SECRET
+from drmas_kfp.pipelines.build import build_pipeline, compile_pipeline, parse_force
+from drmas_kfp.pipelines.platform import S3_SECRET
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_STAGES = {"warmstart", "rollout", "update", "evaluate"}

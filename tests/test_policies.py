@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from drmas.config import ConfigError, ModelSpec, load_config
 from drmas.models import build_scratch_policy, load_model
-from drmas.policies import init_policies
-from drmas.store import Store
+from drmas.stages.policies import init_policies
+from drmas.infra.store import Store
 
 ROOT = Path(__file__).parent.parent
 SMALL_MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1}

@@ -21,7 +21,7 @@ def _heavy_modules_after(statement: str) -> list[str]:
 
 
 def test_core_imports_stay_light():
-    assert _heavy_modules_after("import drmas, drmas.algos, drmas.config, drmas.store, drmas.schema") == []
+    assert _heavy_modules_after("import drmas, drmas.algos, drmas.config, drmas.infra.store, drmas.infra.schema") == []
 
 
 def test_the_probe_does_see_a_heavy_import():
@@ -29,7 +29,7 @@ def test_the_probe_does_see_a_heavy_import():
 
 
 def test_layout():
-    for folder in ("pipelines", "components", "images", "manifests", "src/drmas", "tests", "bench", "configs"):
+    for folder in ("src/drmas_kfp/pipelines", "src/drmas_kfp/components", "images", "manifests", "src/drmas", "tests", "bench", "configs"):
         assert (ROOT / folder).is_dir(), folder
     for file in ("pyproject.toml", "README.md", "Makefile", ".ci/run", "constraints.txt"):
         assert (ROOT / file).is_file(), file

@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from drmas import warmstart
+from drmas.stages import warmstart
 from drmas.config import ConfigError, DrmasConfig, ModelSpec, SamplingConfig, load_config
 from drmas.models import build_scratch_policy, load_tokenizer
 from drmas.runner import open_run
-from drmas.store import Store
-from drmas.workers import PolicyRef, WorkerGroupRuntime, truncate_prompt
+from drmas.infra.store import Store
+from drmas.generation.workers import PolicyRef, WorkerGroupRuntime, truncate_prompt
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 MATH_RECIPE = CONFIGS / "math_qwen3_4b_gpu.yaml"

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from drmas.config import load_config
-from drmas.layout import run_path, stage_path
-from drmas.report import run_history, write_report
-from drmas.store import Store
+from drmas.infra.layout import run_path, stage_path
+from drmas.analysis.report import run_history, write_report
+from drmas.infra.store import Store
 
 CONFIG = "configs/math_tiny.yaml"
 

@@ -14,11 +14,11 @@ import pytest
 
 from drmas.config import load_config
 from drmas.models import load_tokenizer
-from drmas.policies import init_policies
-from drmas.pool import ACTOR_RESTARTS, RayPool, WorkerGroupDied
-from drmas.rollout import rollout
-from drmas.schema import TRAJECTORY_SCHEMA
-from drmas.store import Store
+from drmas.stages.policies import init_policies
+from drmas.generation.pool import ACTOR_RESTARTS, RayPool, WorkerGroupDied
+from drmas.stages.rollout import rollout
+from drmas.infra.schema import TRAJECTORY_SCHEMA
+from drmas.infra.store import Store
 
 pytestmark = pytest.mark.slow
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -168,7 +168,7 @@ def test_an_actor_that_keeps_dying_fails_the_stage_cleanly(ray_session, tmp_path
 JOIN_AND_LEAVE = """
 import ray
 from drmas.config import DrmasConfig
-from drmas.pool import connect_ray
+from drmas.generation.pool import connect_ray
 config = DrmasConfig.model_validate({"agents": [{"name": "solver", "model": "m"}, {"name": "verifier", "model": "m"}]})
 assert connect_ray(config)
 print(ray.get_runtime_context().gcs_address, ray.cluster_resources().get("pool_slot"))

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from drmas.config import DataConfig
-from drmas.store import CorruptArtifact, Store
+from drmas.infra.store import CorruptArtifact, Store
 from drmas.tasks import DataError, Question
 from drmas.tasks.search import (
     Passage,

@@ -48,19 +48,19 @@ from conftest import S3_BUCKET
 from helpers import TINY_OVERRIDES, stored_rollout
 from test_bad_input import record_policy
 
-from drmas.advantage import advantage
-from drmas.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent
+from drmas.stages.advantage import advantage
+from drmas.team.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent
 from drmas.config import ModelSpec, StoreConfig
-from drmas.episodes import Episode
-from drmas.layout import policy_path
+from drmas.team.episodes import Episode
+from drmas.infra.layout import policy_path
 from drmas.models import PolicyError, build_scratch_policy, chat_turn, load_model, load_tokenizer, train_tokenizer
-from drmas.policies import AGENT_TAGS, init_policies
-from drmas.store import CorruptArtifact, Store
+from drmas.stages.policies import AGENT_TAGS, init_policies
+from drmas.infra.store import CorruptArtifact, Store
 from drmas.tasks import Question
 from drmas.tasks.math import math_reward
 from drmas.tasks.search import INDEX_DIR, PASSAGES_FILE, Passage, Retriever, cached_retriever, exact_match
-from drmas.update import update
-from drmas.workers import PolicyRef, WorkerGroupRuntime
+from drmas.stages.update import update
+from drmas.generation.workers import PolicyRef, WorkerGroupRuntime
 
 ROOT = Path(__file__).resolve().parents[1]
 MATH = str(ROOT / "configs" / "math_tiny.yaml")
@@ -220,7 +220,7 @@ def test_a_pickled_bm25_cache_is_refused_and_rebuilt(tmp_path, caplog):
     assert not marker.exists()
 
 
-SOURCE_TREES = ("src/drmas", "components", "pipelines")
+SOURCE_TREES = ("src/drmas", "src/drmas_kfp")
 UNSAFE_CALLS = {
     "eval", "exec", "__import__", "pickle.load", "pickle.loads", "pickle.Unpickler", "cloudpickle.load",
     "cloudpickle.loads", "dill.load", "dill.loads", "joblib.load", "marshal.loads", "shelve.open", "torch.load",
@@ -507,7 +507,7 @@ def test_the_s3_server_listens_on_loopback_only(s3_server):
 RAY_PROBE = """
 import json, sys, psutil, ray
 from drmas.config import DrmasConfig
-from drmas.pool import connect_ray
+from drmas.generation.pool import connect_ray
 config = DrmasConfig.model_validate({"agents": [{"name": "solver", "model": "m"}, {"name": "verifier", "model": "m"}]})
 connect_ray(config, __import__("pathlib").Path(sys.argv[1]))
 me = psutil.Process()
@@ -536,13 +536,13 @@ def test_the_local_ray_listens_on_loopback_only():
 def test_the_update_rendezvous_listens_on_loopback_only(monkeypatch):
     import torch.distributed as dist
 
-    from drmas.update import _ensure_process_group
+    from drmas.training.engines import ensure_process_group
 
     if dist.is_initialized():
         pytest.skip("a process group is already up in this process")
     monkeypatch.setenv("LOCAL_RANK", "0")  # what it sets for DeepSpeed; undone after the test
     before = set(listening([psutil.Process()]))
-    _ensure_process_group()
+    ensure_process_group()
     try:
         opened = set(listening([psutil.Process()])) - before
     finally:

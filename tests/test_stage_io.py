@@ -1,4 +1,4 @@
-"""The glue the Kubeflow components share (``drmas.stage_io``), on fake artifact objects
+"""The glue the Kubeflow components share (``drmas.stages.io``), on fake artifact objects
 shaped like KFP's (``metadata``, ``path``, ``uri``; ``log_metric`` for metrics) and a
 real local store: the pointer metadata, the metrics file, drmas' cache rule and the input
 check. The last test runs a component's body directly on such fakes."""
@@ -13,7 +13,7 @@ import pytest
 from helpers import stored_rollout
 
 from drmas.config import load_config
-from drmas.stage_io import (
+from drmas.stages.io import (
     METRICS_FILE,
     expect_input,
     open_stage,
@@ -22,7 +22,7 @@ from drmas.stage_io import (
     publish_metrics,
     reuse_or_compute,
 )
-from drmas.store import Store
+from drmas.infra.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -190,9 +190,9 @@ def test_the_advantage_component_body_on_fake_artifacts(tmp_path, monkeypatch, c
     """The shipped function itself (what KFP's executor calls), without KFP: it reads the
     rollout its input points at, writes the batch under drmas' cache key, publishes the
     pointer and the metrics, reuses the output on a second call and recomputes it forced."""
-    import components
-    from drmas.caching import cache_key
-    from drmas.layout import stage_path
+    from drmas_kfp import components
+    from drmas.infra.caching import cache_key
+    from drmas.infra.layout import stage_path
 
     monkeypatch.chdir(tmp_path)
     config, store, source = stored_rollout(tmp_path, rows=12)

@@ -17,8 +17,8 @@ import pytest
 from helpers import trajectory_table
 
 from drmas.algos import compute_advantages
-from drmas.schema import TRAJECTORY_SCHEMA, SchemaError
-from drmas.store import (
+from drmas.infra.schema import TRAJECTORY_SCHEMA, SchemaError
+from drmas.infra.store import (
     MANIFEST,
     ArtifactExists,
     ArtifactNotFound,
@@ -110,7 +110,7 @@ KILLED_WRITER = textwrap.dedent(
     """
     import sys, time
     import pyarrow as pa
-    from drmas.store import Store
+    from drmas.infra.store import Store
     store = Store(sys.argv[1], sys.argv[2] or None)
     with store.writer(sys.argv[3]) as out:
         out.write_table("trajectories.parquet", pa.table({"x": list(range(1000))}))

@@ -25,9 +25,9 @@ from conftest import S3_BUCKET
 from faultproxy import FAULTS, FaultProxy
 from helpers import TINY_OVERRIDES, trajectory_table
 
-from drmas.locals3 import LocalS3Server
-from drmas.schema import TRAJECTORY_SCHEMA
-from drmas.store import MANIFEST, Store, StoreError
+from locals3 import LocalS3Server
+from drmas.infra.schema import TRAJECTORY_SCHEMA
+from drmas.infra.store import MANIFEST, Store, StoreError
 
 REQUEST_TIMEOUT_S = 1
 """The client's request timeout in these tests (the proxy stalls for 1.5 s): a stall then

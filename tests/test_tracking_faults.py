@@ -34,7 +34,7 @@ import pytest
 from helpers import TINY_OVERRIDES
 
 from drmas.config import DrmasConfig, load_config
-from drmas.tracking import HTTP_LIMITS, Tracker
+from drmas.infra.tracking import HTTP_LIMITS, Tracker
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,17 +15,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drmas.advantage import advantage
+from drmas.stages.advantage import advantage
 from drmas.algos import compute_advantages
 from drmas.config import load_config
-from drmas.episodes import Call, Episode, episodes_to_table
-from drmas.layout import policy_path, stage_path
+from drmas.team.episodes import Call, Episode, episodes_to_table
+from drmas.infra.layout import policy_path, stage_path
 from drmas.models import load_model, load_tokenizer
-from drmas.policies import init_policies
-from drmas.schema import BATCH_SCHEMA
-from drmas.store import Store
+from drmas.stages.policies import init_policies
+from drmas.infra.schema import BATCH_SCHEMA
+from drmas.infra.store import Store
 from drmas.tasks import Question
-from drmas.update import TorchEngine, capture_state, collate, deepspeed_config, load_state, restore_state, save_state, token_logprobs, update
+from drmas.stages.update import update
+from drmas.training.batching import collate, token_logprobs
+from drmas.training.engines import TorchEngine, deepspeed_config
+from drmas.training.state import capture_state, load_state, restore_state, save_state
 
 ROOT = Path(__file__).parent.parent
 TINY = [
@@ -189,7 +192,7 @@ def test_activation_checkpointing_recomputes_and_changes_nothing(tmp_path, monke
         model.register_forward_pre_hook(lambda module, args, kwargs: caches.append(kwargs.get("use_cache")), with_kwargs=True)
         return model
 
-    monkeypatch.setattr("drmas.update.load_model", load_and_watch)
+    monkeypatch.setattr("drmas.stages.update.load_model", load_and_watch)
     results = {}
     for on in (False, True):
         config, store, policy, _ = make_run(tmp_path / str(on), f"train.gradient_checkpointing={on}", "diagnostics.per_agent_grad_norm=true", "train.micro_batch_size=2")
@@ -278,7 +281,7 @@ def _update_in_subprocess(tmp_path: Path, name: str, launcher: list[str], *overr
     config_file = tmp_path / name / "config.json"
     config_file.write_text(config.model_copy(update={"store": store.settings()}).to_json())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions")}
-    command = [*launcher, "-m", "drmas.update", "--config", str(config_file), "--run-id", "run", "--iteration", "0", "--wg", WG, "--policy", policy.artifact]
+    command = [*launcher, "-m", "drmas.stages.update", "--config", str(config_file), "--run-id", "run", "--iteration", "0", "--wg", WG, "--policy", policy.artifact]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -313,17 +316,18 @@ import sys, tempfile
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from test_update import make_run, WG
-import drmas.update as U
-from drmas.advantage import advantage
-from drmas.layout import optim_path
-from drmas.workers import PolicyRef
+import drmas.stages.update as U
+import drmas.training.engines as E
+from drmas.stages.advantage import advantage
+from drmas.infra.layout import optim_path
+from drmas.generation.workers import PolicyRef
 from safetensors.torch import load_file
-config_for = U.deepspeed_config
+config_for = E.deepspeed_config
 def small_params_partitioned(config, group, world):  # DeepSpeed keeps parameters this small whole otherwise
     ds = config_for(config, group, world)
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     return ds
-U.deepspeed_config = small_params_partitioned
+E.deepspeed_config = small_params_partitioned
 weights = {}
 for label in ("0", "1", "2", "3", "2+offload", "3+offload"):
     stage, offload = label[0], "+offload" in label

@@ -12,7 +12,7 @@ from drmas.config import load_config
 from drmas.tasks import Question
 from drmas.tasks.math import answers_match, extract_boxed, generate_arithmetic
 from drmas.tasks.search import Retriever, demonstration_queries, exact_match, generated_facts
-from drmas.warmstart import column_working, math_demonstrations, search_demonstrations
+from drmas.stages.warmstart import column_working, math_demonstrations, search_demonstrations
 
 ROOT = Path(__file__).parent.parent
 
@@ -140,9 +140,9 @@ def test_warm_start_trains_each_worker_group_reproducibly(tmp_path):
     seed gives the same weights, whatever order the processes finish in."""
     from helpers import TINY_OVERRIDES
 
-    from drmas.policies import init_policies
-    from drmas.store import Store
-    from drmas.warmstart import warmstart
+    from drmas.stages.policies import init_policies
+    from drmas.infra.store import Store
+    from drmas.stages.warmstart import warmstart
 
     weights = []
     for attempt in ("a", "b"):

@@ -137,9 +137,9 @@ def _stopping_errors() -> tuple[type[Exception], ...]:
     """What stops a training command with a message rather than a traceback: bad input or
     a damaged store (ValueError, StoreError), an MLflow server that cannot open the run,
     a worker group whose actor kept dying."""
-    from drmas.pool import WorkerGroupDied  # noqa: PLC0415
-    from drmas.store import StoreError  # noqa: PLC0415
-    from drmas.tracking import TrackingUnavailable  # noqa: PLC0415
+    from drmas.generation.pool import WorkerGroupDied  # noqa: PLC0415
+    from drmas.infra.store import StoreError  # noqa: PLC0415
+    from drmas.infra.tracking import TrackingUnavailable  # noqa: PLC0415
 
     return StoreError, ValueError, TrackingUnavailable, WorkerGroupDied
 
@@ -157,7 +157,7 @@ def _check_inputs(config: DrmasConfig) -> None:
     """Read the question sets (and a search corpus) before anything is written or started,
     so that a bad data file stops the command with its DataError (file, row, reason), not
     after a run was recorded or Ray was started."""
-    from drmas.rollout import task_questions  # noqa: PLC0415
+    from drmas.stages.rollout import task_questions  # noqa: PLC0415
 
     for split in ("train", "eval"):
         task_questions(config, split)
@@ -206,7 +206,7 @@ def _config(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from drmas.runner import open_run, summary_table, train  # noqa: PLC0415
-    from drmas.store import Store  # noqa: PLC0415
+    from drmas.infra.store import Store  # noqa: PLC0415
 
     config, run_id = _start_run(args)
     try:
@@ -233,7 +233,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _rerun(args: argparse.Namespace) -> int:
     from drmas.runner import open_run, rerun  # noqa: PLC0415
-    from drmas.store import Store  # noqa: PLC0415
+    from drmas.infra.store import Store  # noqa: PLC0415
 
     config = _load(args)
     try:
@@ -247,7 +247,7 @@ def _rerun(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from drmas.compare import compare  # noqa: PLC0415
+    from drmas.analysis.compare import compare  # noqa: PLC0415
 
     _load(args)  # validates the config and the overrides before any run starts
     modes = [mode.strip() for mode in args.advantage.split(",") if mode.strip()]
@@ -268,11 +268,11 @@ def _eval(args: argparse.Namespace) -> int:
     import hashlib  # noqa: PLC0415
     import json  # noqa: PLC0415
 
-    from drmas.evaluate import evaluate  # noqa: PLC0415
-    from drmas.layout import policy_path, stage_path  # noqa: PLC0415
-    from drmas.pool import RayPool, connect_ray  # noqa: PLC0415
-    from drmas.store import Store  # noqa: PLC0415
-    from drmas.workers import PolicyRef  # noqa: PLC0415
+    from drmas.stages.evaluate import evaluate  # noqa: PLC0415
+    from drmas.infra.layout import policy_path, stage_path  # noqa: PLC0415
+    from drmas.generation.pool import RayPool, connect_ray  # noqa: PLC0415
+    from drmas.infra.store import Store  # noqa: PLC0415
+    from drmas.generation.workers import PolicyRef  # noqa: PLC0415
 
     config = _load(args)
     experiment = config.experiment.name
@@ -281,7 +281,7 @@ def _eval(args: argparse.Namespace) -> int:
         store = Store.from_config(config.store)
         iteration = args.iteration
         if iteration is None:
-            from drmas.checkpoint import resume_point  # noqa: PLC0415
+            from drmas.stages.checkpoint import resume_point  # noqa: PLC0415
 
             iteration = resume_point(config, store, args.run_id).next_iteration - 1
         if iteration < 0 or not store.exists(stage_path(experiment, args.run_id, iteration, "checkpoint")):
@@ -341,7 +341,7 @@ def _pipeline_options(command: argparse.ArgumentParser, run_id: bool = True) -> 
 def _build_pipeline(args: argparse.Namespace, config: DrmasConfig, run_id: str):
     """The pipeline named by --pipeline, and its arguments; None after printing a problem."""
     try:
-        from pipelines.build import build_pipeline  # noqa: PLC0415 - kfp only for these commands
+        from drmas_kfp.pipelines.build import build_pipeline  # noqa: PLC0415 - kfp only for these commands
     except ImportError as error:
         _fail(args.command, f"the Kubeflow pipelines are not installed here ({error}); "
               "install drmas from its repository (pip install -e .)")
@@ -366,7 +366,7 @@ def _compile_or_submit(args: argparse.Namespace) -> int:
     if built is None:
         return 2
     func, arguments = built
-    from pipelines.build import compile_pipeline  # noqa: PLC0415
+    from drmas_kfp.pipelines.build import compile_pipeline  # noqa: PLC0415
 
     what = f"{args.pipeline} pipeline {func.name}"
     if args.command == "compile":
@@ -374,7 +374,7 @@ def _compile_or_submit(args: argparse.Namespace) -> int:
         print(f"compiled the {what} to {path}")
         print(f"parameters: {', '.join(f'{k}={v}' for k, v in arguments.items() if k != 'config_json')} (and config_json)")
         return 0
-    from pipelines.submit import SERVICE_ACCOUNT, submit  # noqa: PLC0415
+    from drmas_kfp.pipelines.submit import SERVICE_ACCOUNT, submit  # noqa: PLC0415
 
     if not config.store.root.startswith("s3://"):
         print(f"drmas submit: warning: store.root is {config.store.root!r}, a local folder; the pipeline's pods "
@@ -401,7 +401,7 @@ def _run_kfp_local(args: argparse.Namespace) -> int:
     if built is None:
         return 2
     func, arguments = built
-    from pipelines.local import DEFAULT_ROOT, run_local  # noqa: PLC0415
+    from drmas_kfp.pipelines.local import DEFAULT_ROOT, run_local  # noqa: PLC0415
 
     print(f"run {run_id}: the {args.pipeline} pipeline {func.name} with kfp.local (outputs and cache in {DEFAULT_ROOT})")
     try:

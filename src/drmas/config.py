@@ -25,7 +25,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from drmas.registry import orchestra_agents
+from drmas.team.registry import orchestra_agents
 
 __all__ = [
     "AgentConfig",

@@ -2,7 +2,7 @@
 
 Each iteration calls the same stage functions that the Kubeflow components call. A stage
 whose output already exists with the same cache key (its inputs' content, the config it
-reads, the code version: ``drmas.caching``) is not run again; stages are deterministic
+reads, the code version: ``drmas.infra.caching``) is not run again; stages are deterministic
 given their inputs, so that output is what a rerun would produce. This makes a killed run
 resumable (``train`` continues after the last checkpointed iteration, reusing the stages
 of the interrupted one that had finished) and lets ``rerun`` recompute a single stage.
@@ -19,20 +19,20 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from drmas.advantage import advantage
-from drmas.caching import cache_key, is_cached
-from drmas.checkpoint import checkpoint, resume_point
-from drmas.evaluate import evaluate
+from drmas.stages.advantage import advantage
+from drmas.infra.caching import cache_key, is_cached
+from drmas.stages.checkpoint import checkpoint, resume_point
+from drmas.stages.evaluate import evaluate
 from drmas.config import ConfigError, DrmasConfig
-from drmas.layout import optim_path, policy_path, run_path, stage_path
-from drmas.policies import init_policies
-from drmas.pool import PoolOnDemand
-from drmas.report import run_history, write_report
-from drmas.rollout import rollout, task_questions
-from drmas.store import Store
-from drmas.update import update
-from drmas.warmstart import warmstart
-from drmas.workers import PolicyRef
+from drmas.infra.layout import optim_path, policy_path, run_path, stage_path
+from drmas.stages.policies import init_policies
+from drmas.generation.pool import PoolOnDemand
+from drmas.analysis.report import run_history, write_report
+from drmas.stages.rollout import rollout, task_questions
+from drmas.infra.store import Store
+from drmas.stages.update import update
+from drmas.stages.warmstart import warmstart
+from drmas.generation.workers import PolicyRef
 
 __all__ = ["IterationResult", "RunSummary", "open_run", "rerun", "run_iteration", "summary_table", "train"]
 
@@ -121,7 +121,7 @@ def run_iteration(
 ) -> IterationResult:
     """Rollout, advantage, update per worker group, evaluate (when due), checkpoint.
 
-    Each stage runs only when its cached output is missing or stale (see drmas.caching),
+    Each stage runs only when its cached output is missing or stale (see drmas.infra.caching),
     or when it is named in ``force``.
     """
     experiment = config.experiment.name
@@ -176,7 +176,7 @@ def train(config: DrmasConfig, store: Store, run_id: str, cache_dir: Path | None
     Metrics go to MLflow with ``step`` = the number of completed iterations (step 0 is the
     evaluation before training).
     """
-    from drmas.tracking import Tracker  # noqa: PLC0415
+    from drmas.infra.tracking import Tracker  # noqa: PLC0415
 
     experiment, total = config.experiment.name, config.experiment.iterations
     start = resume_point(config, store, run_id)

@@ -1,7 +1,7 @@
 """Tasks: where questions come from and how an episode's final answer is scored.
 
 A task is data and a reward; the agents and the orchestra that drive an episode live in
-``drmas.agents`` and ``drmas.orchestras``. Both shipped tasks share these types.
+``drmas.team.agents`` and ``drmas.team.orchestras``. Both shipped tasks share these types.
 """
 
 from __future__ import annotations

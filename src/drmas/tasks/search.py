@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from bm25s.stopwords import STOPWORDS_EN
 
-from drmas.store import Artifact, ArtifactExists, ArtifactWriter, CorruptArtifact, Store
+from drmas.infra.store import Artifact, ArtifactExists, ArtifactWriter, CorruptArtifact, Store
 from drmas.tasks import DataError, Question
 
 if TYPE_CHECKING:

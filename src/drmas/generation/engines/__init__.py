@@ -1,0 +1,64 @@
+"""Rollout engines: the one interface every worker group generates through.
+
+An engine turns batches of prompt token ids into responses, with the log-probability of
+every sampled token under the sampling policy (what the update uses as the old policy).
+Its lifecycle lets N models share one device pool: ``load`` a policy version from a
+local folder (HF layout), ``offload`` to release the memory, ``resume`` to take it back.
+
+    hf      transformers on CPU (or one GPU): the default on one machine
+    sglang  SGLang's offline engine on GPUs (the gpu image; imported only when chosen)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from drmas.config import SamplingConfig
+
+__all__ = ["Engine", "Generation", "make_engine"]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One response: its tokens (the end-of-turn token included when it stopped)."""
+
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    """'stop' (the model ended its turn) or 'length' (max_new_tokens reached)."""
+
+
+class Engine(Protocol):
+    """What a worker group needs from an inference engine."""
+
+    resident: bool
+    """Whether the weights currently occupy device memory."""
+
+    def load(self, policy_dir: Path) -> None:
+        """Load (or replace) the weights from a folder in HF layout."""
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, stop_ids: list[int], seed: int
+    ) -> list[Generation]:
+        """One batched generate over all prompts; deterministic for a given seed."""
+
+    def offload(self) -> None:
+        """Release the weights' (and cache's) memory; ``resume`` brings them back."""
+
+    def resume(self) -> None:
+        """Make the last loaded weights resident again."""
+
+
+def make_engine(kind: str, dtype: str) -> Engine:
+    """The engine named in ``rollout.engine``; SGLang is imported only when chosen."""
+    if kind == "hf":
+        from drmas.generation.engines.hf import HFEngine  # noqa: PLC0415
+
+        return HFEngine(dtype)
+    if kind == "sglang":
+        from drmas.generation.engines.sglang import SGLangEngine  # noqa: PLC0415
+
+        return SGLangEngine(dtype)
+    raise ValueError(f"unknown rollout engine {kind!r}; expected 'hf' or 'sglang'")

@@ -1,0 +1,137 @@
+"""The checkpoint stage and resume.
+
+    checkpoint(config, store, run_id, iteration, metrics) -> StageResult
+    resume_point(config, store, run_id) -> ResumePoint
+
+The update stage writes each worker group's policy (HF layout) and optimizer state as
+artifacts; the checkpoint stage checks that all of them are complete and intact, then
+writes ``iter-{i}/checkpoint`` naming them (with the hashes of their manifests) and the
+iteration's metrics. That artifact, written last, is what makes an iteration complete: a
+run killed at any point resumes after the last iteration that has one, and since every
+stage is deterministic given its inputs, the resumed run is the run that was never killed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from drmas.config import DrmasConfig, PolicyError, WorkerGroup, weights_problem
+from drmas.infra.layout import PolicyRef, StageResult, init_policy_path, optim_path, policy_path, run_path, stage_path
+from drmas.infra.store import MANIFEST, ArtifactNotFound, CorruptArtifact, Store
+
+__all__ = ["ResumePoint", "check_policy", "checkpoint", "read_checkpoint", "resume_point"]
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run continues: the next iteration and the state it starts from."""
+
+    next_iteration: int
+    policies: dict[str, PolicyRef]
+    optims: dict[str, PolicyRef | None]
+
+
+def checkpoint(config: DrmasConfig, store: Store, run_id: str, iteration: int, metrics: dict[str, float], overwrite: bool = False, cache_key: str = "") -> StageResult:
+    """Commit the iteration: every worker group's policy and optimizer state, verified."""
+    experiment = config.experiment.name
+    groups = {}
+    for group in config.worker_groups():
+        policy = policy_path(experiment, run_id, iteration, group.name)
+        optim = optim_path(experiment, run_id, iteration, group.name)
+        groups[group.name] = {
+            "policy": policy,
+            "policy_manifest": store.fingerprint(policy),
+            "optim": optim,
+            "optim_manifest": store.fingerprint(optim),
+        }
+    path = stage_path(experiment, run_id, iteration, "checkpoint")
+    with store.writer(path, overwrite=overwrite, meta={"stage": "checkpoint", "iteration": iteration, "cache_key": cache_key}) as out:
+        out.write_json("checkpoint.json", {"iteration": iteration, "worker_groups": groups})
+        out.write_json("metrics.json", metrics)
+    return StageResult(path, metrics)
+
+
+def resume_point(config: DrmasConfig, store: Store, run_id: str) -> ResumePoint:
+    """The state after the last complete iteration, or the initial policies.
+
+    A checkpoint whose policies or optimizer states changed or vanished since it was
+    written is refused with the path and the reason (CorruptArtifact), never skipped; so
+    is a policy that is not the worker group's model (PolicyError, see ``check_policy``).
+    """
+    experiment = config.experiment.name
+    done = [
+        int(path.split("/")[-2].removeprefix("iter-"))
+        for path in store.list(run_path(experiment, run_id))
+        if path.endswith("/checkpoint")
+    ]
+    groups = [group.name for group in config.worker_groups()]
+    if not done:
+        policies = {wg: PolicyRef(init_policy_path(experiment, run_id, wg)) for wg in groups}
+        return ResumePoint(0, policies, {wg: None for wg in groups})
+    return read_checkpoint(config, store, stage_path(experiment, run_id, max(done), "checkpoint"))
+
+
+def read_checkpoint(config: DrmasConfig, store: Store, path: str) -> ResumePoint:
+    """What the checkpoint artifact at ``path`` names, each part checked: every worker
+    group's policy and optimizer state present and unchanged since the checkpoint was
+    written (CorruptArtifact otherwise), and each policy the group's model (``check_policy``)."""
+    where = store.uri(path)
+    record = store.open(path).read_json("checkpoint.json")
+    policies, optims = {}, {}
+    for group in config.worker_groups():
+        entry = record["worker_groups"].get(group.name)
+        if entry is None:
+            raise CorruptArtifact(f"{where} has no worker group {group.name!r} (config changed?)")
+        for kind in ("policy", "optim"):
+            try:
+                found = store.fingerprint(entry[kind])
+            except ArtifactNotFound:
+                raise CorruptArtifact(f"{store.uri(entry[kind])}: named by {where} but missing") from None
+            if found != entry[f"{kind}_manifest"]:
+                raise CorruptArtifact(f"{store.uri(entry[kind], MANIFEST)}: differs from what {where} recorded")
+        policies[group.name], optims[group.name] = PolicyRef(entry["policy"]), PolicyRef(entry["optim"])
+        check_policy(group, store, policies[group.name])
+    return ResumePoint(record["iteration"] + 1, policies, optims)
+
+
+ARCHITECTURE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+"""The fields of a policy's config.json that say which model it is."""
+
+
+def check_policy(group: WorkerGroup, store: Store, policy: PolicyRef) -> None:
+    """Refuse, from its manifest and config.json alone (before any weights are read), a
+    policy that the worker group must not load: weights that are not safetensors, or the
+    checkpoint of another model (an architecture other than the group's model spec, or
+    than the config.json of the local folder it names). Hub models are not compared: what
+    they are is known only once downloaded."""
+    artifact = store.open(policy.artifact)
+    prefix = policy.prefix.rstrip("/") + "/" if policy.prefix else ""
+    names = [name[len(prefix) :] for name in artifact.files if name.startswith(prefix) and "/" not in name[len(prefix) :]]
+    where = store.uri(policy.artifact, policy.prefix or None)
+    if problem := weights_problem(names):
+        raise PolicyError(f"{where}: {problem}")
+    expected = _expected_architecture(group)
+    if expected is None:
+        return
+    found = artifact.read_json(f"{prefix}config.json")
+    differences = [f"{key} {found.get(key)!r} (expected {value!r})" for key, value in expected.items() if found.get(key) != value]
+    if differences:
+        raise PolicyError(
+            f"{where}: the checkpoint of another model: {', '.join(differences)} "
+            f"(worker group {group.name!r} has model {group.model!r})"
+        )
+
+
+def _expected_architecture(group: WorkerGroup) -> dict[str, object] | None:
+    """The architecture fields a policy of this worker group has, where the config says."""
+    spec = group.spec
+    if spec is not None and spec.source == "scratch":
+        values = (spec.architecture, spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.intermediate_size)
+        return dict(zip(ARCHITECTURE_KEYS, values, strict=True))
+    source = Path(spec.source if spec is not None else group.model).expanduser()
+    if not (source / "config.json").is_file():
+        return None
+    config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    return {key: config[key] for key in ARCHITECTURE_KEYS if key in config}

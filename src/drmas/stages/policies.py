@@ -1,0 +1,99 @@
+"""The initial policy of every worker group, as an artifact in the store.
+
+    init_policies(config, store, run_id) -> {wg: PolicyRef}
+
+A worker group whose model spec says ``source: scratch`` gets a tokenizer trained on the
+task's text (questions, answers, every agent's prompt, the tags agents must write) and a
+freshly initialised model; any other model is a hub id or a local folder, loaded (from
+safetensors) and saved as it is; ``s3://...`` names a policy artifact of an earlier run.
+Either way the store holds one HF-layout artifact per worker group at
+``{experiment}/{run_id}/init/policy/{wg}/`` and every later stage reads from there.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from drmas.config import DrmasConfig, WorkerGroup
+from drmas.team.episodes import Episode
+from drmas.models import build_scratch_policy, chat_turn, load_model, load_tokenizer
+from drmas.team.registry import load_orchestra
+from drmas.infra.layout import init_policy_path
+from drmas.infra.store import Store
+from drmas.generation.workers import PolicyRef
+
+__all__ = ["init_policies", "tokenizer_corpus"]
+
+AGENT_TAGS = (
+    "\\boxed{}",
+    "<verify>approve</verify>",
+    "<verify>reject</verify>",
+    "<verify>yes</verify>",
+    "<verify>no</verify>",
+    "<think></think>",
+    "<search></search>",
+    "<answer></answer>",
+    "<information></information>",
+    "0123456789 + - * / = . ,",
+)
+
+
+def init_policies(config: DrmasConfig, store: Store, run_id: str, overwrite: bool = False) -> dict[str, PolicyRef]:
+    """Write every worker group's initial policy (once) and return where each one is."""
+    groups = config.worker_groups()
+    paths = {g.name: init_policy_path(config.experiment.name, run_id, g.name) for g in groups}
+    todo = [g for g in groups if overwrite or not store.exists(paths[g.name])]
+    texts = tokenizer_corpus(config) if any(_is_scratch(g) for g in todo) else []
+    for index, group in enumerate(groups):
+        if group not in todo:
+            continue
+        with tempfile.TemporaryDirectory() as scratch:
+            local = Path(scratch) / group.name
+            _materialise(group, texts, local, config, seed=config.experiment.seed + index)
+            with store.writer(paths[group.name], overwrite=overwrite, meta={"stage": "init", "wg": group.name}) as out:
+                out.put_dir(local, "")
+    return {name: PolicyRef(path, "") for name, path in paths.items()}
+
+
+def _is_scratch(group: WorkerGroup) -> bool:
+    return group.spec is not None and group.spec.source == "scratch"
+
+
+def _materialise(group: WorkerGroup, texts: list[str], out_dir: Path, config: DrmasConfig, seed: int) -> None:
+    """Put the group's initial policy in ``out_dir``: built from scratch, copied from an
+    artifact of an earlier run (an s3:// URI), or loaded from a hub id or local folder."""
+    if _is_scratch(group):
+        build_scratch_policy(group.spec, texts, out_dir, seed)
+        return
+    source = group.spec.source if group.spec is not None else group.model
+    if source.startswith("s3://"):
+        bucket, _, key = source[len("s3://") :].partition("/")
+        store = Store(f"s3://{bucket}", config.store.endpoint, config.store.region)
+        store.open(key).download(out_dir)
+        return
+    dtype = group.spec.dtype if group.spec is not None else "float32"
+    load_model(source, dtype).save_pretrained(out_dir, safe_serialization=True)
+    load_tokenizer(source).save_pretrained(out_dir)
+
+
+def tokenizer_corpus(config: DrmasConfig, limit: int = 2000) -> list[str]:
+    """Text a scratch tokenizer should cover: questions, answers and every agent's prompts,
+    the prompts in their chat turns (so that the role words become one token each, not
+    seventeen single characters in every prompt)."""
+    from drmas.stages.rollout import task_questions  # noqa: PLC0415
+
+    questions = (task_questions(config, "train") + task_questions(config, "eval"))[:limit]
+    orchestra = load_orchestra(config.task.orchestra_name)
+    agents = {name: cls() for name, cls in orchestra.agents.items()}
+    texts = list(AGENT_TAGS)
+    for question in questions:
+        episode = Episode(uid="u", traj_uid="t", sample_idx=0, question=question)
+        episode.team_context = [f"{name.title()}: " for name in agents]
+        texts += [chat_turn(agent.prompt(episode, 1)) for agent in agents.values()]
+        texts += [question.question, *question.answers]
+    if config.task.name == "search":
+        from drmas.tasks.search import corpus_for  # noqa: PLC0415
+
+        texts += [passage.text for passage in corpus_for(config.data, config.experiment.seed)[:limit]]
+    return texts

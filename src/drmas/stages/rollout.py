@@ -1,0 +1,200 @@
+"""The rollout stage: prompts -> the team plays every episode -> trajectories.parquet.
+
+    rollout(config, store, run_id, iteration, policies, pool) -> RolloutResult
+
+1. Draw ``rollout.prompts_per_iteration`` questions (a fresh permutation every epoch,
+   seeded), and make ``rollout.group_size`` episodes of each (one ``uid`` per question).
+2. Point every worker group at its policy version (actors reload only on change).
+3. The orchestra plays all episodes; every agent call at every step is ONE batched
+   generate on the agent's worker group, with that agent's sampling settings.
+4. Score each episode (the task's reward), copy it onto its calls, and write one row per
+   call to the store, manifest last. Same inputs and seed, same file.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from drmas.team.agents import Parsed
+from drmas.config import DrmasConfig, SamplingConfig
+from drmas.team.episodes import Call, Episode, episodes_to_table
+from drmas.team.orchestras import Tools
+from drmas.team.registry import load_orchestra
+from drmas.infra.schema import TRAJECTORY_SCHEMA
+from drmas.infra.layout import StageResult, stage_path
+from drmas.infra.store import Store
+from drmas.tasks import Question
+from drmas.generation.workers import GenerationResult, PolicyRef
+
+__all__ = ["GeneratePool", "TeamOnPool", "agent_call_metrics", "draw_questions", "rollout", "task_questions", "task_tools"]
+
+
+class GeneratePool(Protocol):
+    """What the rollout needs from a pool (``drmas.generation.pool.RayPool``, or a test double)."""
+
+    def load(self, policies: dict[str, PolicyRef]) -> None: ...
+
+    def generate(self, wg: str, messages: list[str], sampling: SamplingConfig, seed: int) -> list[GenerationResult]: ...
+
+
+@dataclass
+class TeamOnPool:
+    """The orchestra's ``Team``: one batched generate per call, every call recorded."""
+
+    agents: dict[str, Any]
+    agent_wg: dict[str, str]
+    sampling: dict[str, SamplingConfig]
+    pool: GeneratePool
+    seed: int
+    generate_calls: int = 0
+    tokens: int = 0
+    calls_per_agent: dict[str, int] = field(default_factory=dict)
+
+    def call(self, agent: str, episodes: list[Episode], step: int) -> list[Parsed]:
+        if not episodes:
+            return []
+        role = self.agents[agent]
+        prompts = [role.prompt(episode, step) for episode in episodes]
+        seed = int(np.random.SeedSequence([self.seed, self.generate_calls]).generate_state(1)[0])
+        results = self.pool.generate(self.agent_wg[agent], prompts, self.sampling[agent], seed)
+        self.generate_calls += 1
+        self.calls_per_agent[agent] = self.calls_per_agent.get(agent, 0) + 1
+        parsed = []
+        for episode, result in zip(episodes, results, strict=True):
+            reading = role.parse(result.text)
+            episode.calls.append(
+                Call(
+                    agent=agent,
+                    wg=self.agent_wg[agent],
+                    env_step=step,
+                    prompt_ids=result.prompt_ids,
+                    response_ids=result.response_ids,
+                    logprobs=result.logprobs,
+                    response_text=result.text,
+                    is_valid=reading.is_valid,
+                    finish_reason=result.finish_reason,
+                )
+            )
+            self.tokens += len(result.response_ids)
+            parsed.append(reading)
+        return parsed
+
+
+def task_questions(config: DrmasConfig, split: str) -> list[Question]:
+    """The task's questions for ``split`` ('train' or 'eval')."""
+    spec = config.data_spec(split)
+    if config.task.name == "math":
+        from drmas.tasks.math import load_math_questions  # noqa: PLC0415
+
+        return load_math_questions(spec, split, config.data, config.experiment.seed)
+    from drmas.tasks.search import load_qa  # noqa: PLC0415
+
+    return load_qa(spec, split, config.data, config.experiment.seed)
+
+
+def task_tools(config: DrmasConfig, store: Store) -> Tools:
+    """The environment tools of the task: a BM25 retriever (cached in the store) for search."""
+    if config.task.name != "search":
+        return Tools()
+    from drmas.tasks.search import cached_retriever, corpus_for  # noqa: PLC0415
+
+    return Tools(retriever=cached_retriever(corpus_for(config.data, config.experiment.seed), store))
+
+
+def draw_questions(questions: list[Question], count: int, iteration: int, seed: int) -> list[Question]:
+    """Questions for one iteration: consecutive slices of per-epoch seeded permutations."""
+    if not questions:
+        raise ValueError("the training set is empty")
+    start = iteration * count
+    drawn: list[Question] = []
+    while len(drawn) < count:
+        epoch, offset = divmod(start + len(drawn), len(questions))
+        order = np.random.default_rng([seed, epoch]).permutation(len(questions))
+        take = min(count - len(drawn), len(questions) - offset)
+        drawn += [questions[i] for i in order[offset : offset + take]]
+    return drawn
+
+
+def build_team(config: DrmasConfig, tools: Tools, pool: GeneratePool, seed: int) -> tuple[Any, TeamOnPool]:
+    """The orchestra named in the config and the team it calls agents through."""
+    orchestra = load_orchestra(config.task.orchestra_name)(config.task, tools)
+    team = TeamOnPool(
+        agents=orchestra.agent_objects,
+        agent_wg=config.agent_to_worker_group(),
+        sampling={agent.name: config.agent_sampling(agent.name) for agent in config.agents},
+        pool=pool,
+        seed=seed,
+    )
+    return orchestra, team
+
+
+def play(orchestra: Any, team: TeamOnPool, questions: list[Question], group_size: int, prefix: str) -> list[Episode]:
+    """``group_size`` episodes per question, played to the end and scored."""
+    episodes = [
+        Episode(uid=f"{prefix}-{q.qid}", traj_uid=f"{prefix}-{q.qid}-s{j}", sample_idx=j, question=q)
+        for q in questions
+        for j in range(group_size)
+    ]
+    orchestra.run(episodes, team)
+    for episode in episodes:
+        episode.reward = float(orchestra.reward(episode))
+        episode.success = episode.reward >= 1.0
+    return episodes
+
+
+def rollout(
+    config: DrmasConfig,
+    store: Store,
+    run_id: str,
+    iteration: int,
+    policies: dict[str, PolicyRef],
+    pool: GeneratePool,
+    overwrite: bool = False,
+    cache_key: str = "",
+) -> StageResult:
+    """Roll out one iteration and write ``{iteration}/rollout/trajectories.parquet``."""
+    started = time.perf_counter()
+    seed = config.experiment.seed
+    questions = draw_questions(task_questions(config, "train"), config.rollout.prompts_per_iteration, iteration, seed)
+    pool.load(policies)
+    orchestra, team = build_team(config, task_tools(config, store), pool, seed=seed * 1_000_003 + iteration)
+    episodes = play(orchestra, team, questions, config.rollout.group_size, prefix=f"i{iteration}")
+    table = episodes_to_table(episodes, run_id, iteration)
+    seconds = time.perf_counter() - started
+    metrics = rollout_metrics(episodes, team, seconds)
+    path = stage_path(config.experiment.name, run_id, iteration, "rollout")
+    with store.writer(path, overwrite=overwrite, meta={"stage": "rollout", "iteration": iteration, "cache_key": cache_key}) as out:
+        out.write_table("trajectories.parquet", table, TRAJECTORY_SCHEMA)
+        out.write_json("metrics.json", metrics)
+    return StageResult(path, metrics)
+
+
+def rollout_metrics(episodes: list[Episode], team: TeamOnPool, seconds: float) -> dict[str, float]:
+    """Reward, success, per-agent calls and validity, and generation throughput."""
+    metrics = {
+        "reward/mean": float(np.mean([e.reward for e in episodes])),
+        "episode/success_rate": float(np.mean([e.success for e in episodes])),
+        "episode/calls_mean": float(np.mean([len(e.calls) for e in episodes])),
+        "rollout/generate_calls": float(team.generate_calls),
+        "rollout/tokens": float(team.tokens),
+        "rollout/tokens_per_s": team.tokens / seconds if seconds > 0 else 0.0,
+        "time/rollout": seconds,
+    }
+    return metrics | agent_call_metrics(episodes, list(team.agents), prefix="agent")
+
+
+def agent_call_metrics(episodes: list[Episode], agents: list[str], prefix: str) -> dict[str, float]:
+    """Per agent: calls, calls per episode and the share of well-formed outputs."""
+    calls = [call for episode in episodes for call in episode.calls]
+    metrics: dict[str, float] = {}
+    for agent in agents:
+        mine = [call for call in calls if call.agent == agent]
+        metrics[f"{prefix}/{agent}/calls"] = float(len(mine))
+        metrics[f"{prefix}/{agent}/calls_per_episode"] = len(mine) / max(len(episodes), 1)
+        if mine:
+            metrics[f"{prefix}/{agent}/valid_rate"] = float(np.mean([c.is_valid for c in mine]))
+    return metrics

@@ -1,0 +1,190 @@
+"""The update stage: one worker group's policy-gradient step on its rows of the batch.
+
+    update(config, store, run_id, iteration, wg, policy, optim) -> StageResult
+
+1. Read the iteration's batch and keep this worker group's rows (all its agents' calls).
+2. Split them into ``train.updates_per_iteration`` mini-batches (a fixed number of
+   optimizer steps whatever the row count: the reference's adaptive mini-batch), each into
+   micro-batches by ``train.micro_batch_size`` rows and ``train.max_tokens_per_micro_batch``.
+3. Per micro-batch: the current policy's log-probs of the response tokens, the clipped loss
+   of ``drmas.algos.policy_loss`` with the row's advantage on every response token (old
+   log-probs from the rollout, or recomputed), optional KL to the frozen initial policy
+   and entropy bonus; gradients accumulate over the mini-batch. ``token-mean`` weighs
+   every token of the mini-batch alike; ``token-mean-per-micro-batch`` averages the
+   micro-batches' token means (veRL's). ``train.gradient_checkpointing`` recomputes the
+   decoder layers' activations in the backward pass.
+4. Clip the gradient norm; a non-finite norm skips the step (counted, never checkpointed).
+   With ``diagnostics.per_agent_grad_norm``, before each step the norm of the gradient of
+   each agent's share of the loss, from a side pass that leaves the update unchanged.
+5. Write the new policy (HF layout, safetensors) and the optimizer, scheduler and RNG state
+   (safetensors + JSON, never pickle) as two artifacts, manifests last.
+
+Data-parallel: under ``torchrun`` each rank takes every world-size-th micro-batch (and
+empty ones, so that all ranks run as many) and the gradients are summed across ranks; the
+loss is normalised by the mini-batch's global token (or micro-batch) count, so 2 processes
+compute the same update as 1. Backends: plain torch (AdamW), or DeepSpeed (ZeRO 0-3 from
+config, the same torch optimizer, optionally offloaded to host memory; gloo on CPU, nccl
+on GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pyarrow.compute as pc
+import torch
+import torch.distributed as dist
+
+from drmas.config import DrmasConfig
+from drmas.generation.workers import PolicyRef
+from drmas.infra.layout import StageResult, optim_path, policy_path, stage_path
+from drmas.infra.schema import BATCH_SCHEMA
+from drmas.infra.store import CorruptArtifact, Store
+from drmas.models import load_model, load_tokenizer
+from drmas.training.engines import TrainEngine, make_engine, rank_and_world
+from drmas.training.loop import train_worker_group
+from drmas.training.state import load_state, save_state
+
+__all__ = ["update"]
+
+
+def update(
+    config: DrmasConfig,
+    store: Store,
+    run_id: str,
+    iteration: int,
+    wg: str,
+    policy: PolicyRef,
+    optim: PolicyRef | None,
+    reference: PolicyRef | None = None,
+    overwrite: bool = False,
+    cache_key: str = "",
+) -> StageResult:
+    """Update one worker group; write its policy and optimizer state (rank 0 writes)."""
+    started = time.perf_counter()
+    rank, world = rank_and_world()
+    group = next(g for g in config.worker_groups() if g.name == wg)
+    experiment = config.experiment.name
+    rows = _worker_group_rows(store, stage_path(experiment, run_id, iteration, "advantage"), wg)
+    with tempfile.TemporaryDirectory() as scratch:
+        local = store.open(policy.artifact).download(Path(scratch) / "policy", prefix=policy.prefix)
+        dtype = group.spec.dtype if group.spec is not None else "float32"
+        model = load_model(local, dtype)
+        _prepare_for_training(model, config.train.gradient_checkpointing)
+        tokenizer = load_tokenizer(local)
+        engine = make_engine(model, group, config)
+        if optim is not None:
+            _import_stored_state(engine, store, optim, Path(scratch) / "optim")
+        else:  # the first update: its RNG (saved with the state) must not depend on the process's past
+            torch.manual_seed(zlib.crc32(f"{config.experiment.seed}/{wg}".encode()))
+        ref_model = _reference(config, store, reference, Path(scratch), dtype)
+        metrics = train_worker_group(config, group, engine, model, ref_model, rows, tokenizer.pad_token_id, iteration, rank, world)
+        metrics[f"wg/{wg}/time"] = time.perf_counter() - started
+        metrics[f"wg/{wg}/tokens_per_s"] = metrics[f"wg/{wg}/tokens"] / max(metrics[f"wg/{wg}/time"], 1e-9)
+        out_policy = policy_path(experiment, run_id, iteration, wg)
+        # Every rank takes part in gathering partitioned weights and optimizer state.
+        weights, state = engine.full_weights(), engine.export_state()
+        if rank == 0:
+            saved = Path(scratch) / "out"
+            model.save_pretrained(saved / "policy", safe_serialization=True, state_dict=weights)
+            tokenizer.save_pretrained(saved / "policy")
+            save_state(state, saved / "optim")
+            meta = {"stage": "update", "iteration": iteration, "wg": wg, "cache_key": cache_key}
+            with store.writer(optim_path(experiment, run_id, iteration, wg), overwrite=overwrite, meta=meta) as out:
+                out.put_dir(saved / "optim", "")
+            with store.writer(out_policy, overwrite=overwrite, meta=meta) as out:
+                out.put_dir(saved / "policy", "")
+                out.write_json("metrics.json", metrics)
+        if world > 1:  # every rank returns the artifact: it exists once they do
+            dist.barrier()
+    return StageResult(out_policy, metrics)
+
+
+def _prepare_for_training(model: torch.nn.Module, checkpointing: bool) -> None:
+    """Training mode and, if asked, activation checkpointing of every decoder layer.
+
+    Non-reentrant checkpointing: the reentrant kind does not support ``torch.autograd.grad``
+    (the per-agent diagnostic). The KV cache, which cannot be checkpointed, is off in
+    every training forward (``token_logprobs``), not in the saved config."""
+    model.train()
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _worker_group_rows(store: Store, batch_path: str, wg: str) -> list[dict[str, Any]]:
+    table = store.open(batch_path).read_table("batch.parquet", BATCH_SCHEMA)
+    mine = table.filter(pc.equal(table["wg"], wg))
+    if mine.num_rows == 0:
+        raise ValueError(f"{store.uri(batch_path)}: no rows for worker group {wg!r}")
+    columns = ["agent", "prompt_ids", "response_ids", "rollout_logprobs", "advantage"]
+    return mine.select(columns).to_pylist()
+
+
+def _reference(config: DrmasConfig, store: Store, reference: PolicyRef | None, scratch: Path, dtype: str):
+    if config.algorithm.kl_coef == 0.0:
+        return None
+    if reference is None:
+        raise ValueError("algorithm.kl_coef > 0 needs a reference policy (the run's initial policy)")
+    local = store.open(reference.artifact).download(scratch / "reference", prefix=reference.prefix)
+    model = load_model(local, dtype)
+    model.requires_grad_(False)
+    return model
+
+
+def _import_stored_state(engine: TrainEngine, store: Store, optim: PolicyRef, scratch: Path) -> None:
+    """Give ``engine`` the optimizer state stored at ``optim``; a state that cannot be read,
+    or that belongs to another model, is refused with its URI (CorruptArtifact)."""
+    artifact = store.open(optim.artifact)
+    where = store.uri(optim.artifact, optim.prefix or None)
+    try:
+        engine.import_state(load_state(artifact.download(scratch, prefix=optim.prefix)))
+    except (ValueError, KeyError, RuntimeError) as error:
+        raise CorruptArtifact(f"{where}: cannot resume the optimizer from it: {error}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m drmas.stages.update`` (or under ``torchrun``): one worker group's update.
+
+    Under torchrun every rank runs this; ranks share the work and rank 0 writes.
+    """
+    import argparse  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(description="update one worker group")
+    parser.add_argument("--config", required=True, help="resolved config (JSON file)")
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--iteration", type=int, required=True)
+    parser.add_argument("--wg", required=True)
+    parser.add_argument("--policy", required=True, help="policy artifact path in the store")
+    parser.add_argument("--optim", help="optimizer-state artifact path in the store")
+    parser.add_argument("--reference", help="reference policy artifact (for the KL term)")
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    config = DrmasConfig.from_json(Path(args.config).read_text())
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    result = update(
+        config,
+        Store.from_config(config.store),
+        args.run_id,
+        args.iteration,
+        args.wg,
+        PolicyRef(args.policy),
+        PolicyRef(args.optim) if args.optim else None,
+        PolicyRef(args.reference) if args.reference else None,
+        overwrite=args.overwrite,
+    )
+    if rank_and_world()[0] == 0:
+        print(json.dumps({"artifact": result.artifact, "metrics": result.metrics}, sort_keys=True))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,256 @@
+"""Agents: roles with a prompt template and an output parser.
+
+An agent never generates by itself: its orchestra asks the team to call it on a batch of
+episodes, and the team sends all those prompts to the agent's worker group as one batched
+generate. An agent only says what to ask (``prompt``) and how to read the answer
+(``parse``: the extracted text and whether the output was well-formed; a malformed output
+costs its call the invalid-format penalty and never crashes anything).
+
+Write your own by implementing the two methods; an orchestra lists its agents by name:
+
+    class Critic:
+        def prompt(self, episode: Episode, step: int) -> str:
+            return f"Question: {episode.question.question}\\nCriticise the last answer."
+        def parse(self, response: str) -> Parsed:
+            return Parsed(text=response.strip(), is_valid=bool(response.strip()))
+
+An answer (a boxed result, a query, a final answer) must also be plain text: invisible
+characters (zero-width spaces, direction marks, other control or format characters),
+private-use or unassigned code points and fullwidth look-alikes make the call malformed.
+Such an answer can read as right to a person and still not match, or match only through a
+lenient parser; either way the output is not in the format the role asks for.
+
+The built-in prompts paraphrase the reference code's (Dr. MAS) in a line each: every
+prompt token costs compute in every rollout and update, and the small models that train on
+CPU learn the roles from demonstrations, not from instructions.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from dataclasses import dataclass
+from typing import Protocol
+
+from drmas.team.episodes import Episode
+from drmas.tasks.math import extract_boxed
+
+__all__ = [
+    "Agent",
+    "AnswerAgent",
+    "MathVerifierAgent",
+    "Parsed",
+    "RouterAgent",
+    "SearchAgent",
+    "SolverAgent",
+    "find_tag",
+    "is_plain",
+    "verifier_context",
+]
+
+CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]")
+HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Co", "Cn", "Cs"})
+"""Unicode categories that do not belong in an answer: control, format (zero-width,
+direction marks), private use, unassigned, surrogate."""
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """What an agent's output means: the text passed on, and whether it was well-formed.
+
+    ``verdict`` is a verifier's decision word ("" when missing or malformed); its ``text``
+    is then the whole response, which teammates read as the critique, as in the reference.
+    ``acted`` is False when the output holds no action of the kind the role asks for (an
+    Answer agent's output without <answer> tags): an empty action, not a final one.
+    """
+
+    text: str
+    is_valid: bool
+    verdict: str | None = None
+    acted: bool = True
+
+
+class Agent(Protocol):
+    def prompt(self, episode: Episode, step: int) -> str:
+        """The user message for this agent in this episode at this step (1-based)."""
+
+    def parse(self, response: str) -> Parsed:
+        """Read a response; must accept anything (empty, huge, garbage) without raising."""
+
+
+def find_tag(text: str, tag: str) -> str | None:
+    """The stripped content of the last ``<tag>...</tag>`` in ``text``, or None.
+
+    Two reverse scans, linear in the text: a regex would backtrack quadratically on model
+    output such as thousands of unclosed opening tags.
+    """
+    close = text.rfind(f"</{tag}>")
+    start = text.rfind(f"<{tag}>", 0, close) if close >= 0 else -1
+    return text[start + len(tag) + 2 : close].strip() if start >= 0 else None
+
+
+def is_plain(text: str) -> bool:
+    """Whether ``text`` has no hidden, private or fullwidth characters (whitespace such as
+    newlines and tabs is fine)."""
+    return not any(
+        (unicodedata.category(char) in HIDDEN_CATEGORIES and not char.isspace())
+        or unicodedata.east_asian_width(char) == "F"
+        for char in text
+    )
+
+
+def _one_think_block(text: str) -> bool:
+    """Exactly one <think> and one </think>, in that order (the reference's format rule)."""
+    opened, closed = text.count("<think>"), text.count("</think>")
+    return opened == 1 and closed == 1 and text.index("<think>") < text.index("</think>")
+
+
+def _context(episode: Episode) -> str:
+    return "\n".join(episode.team_context)
+
+
+def verifier_context(response: str) -> str:
+    """The team-context line of a verifier's output: its whole response (the critique the
+    next Solver or the Search agent reads, as in the reference), not only its verdict.
+    Bounded by the agent's ``max_new_tokens``; the prompt's ``rollout.max_prompt_tokens``
+    truncation bounds the whole context. The warm start writes the same line."""
+    return f"Verifier: {response or 'no verdict'}"
+
+
+def _history(episode: Episode, length: int) -> str:
+    shown = episode.history[-length:] if length else []
+    first = len(episode.history) - len(shown) + 1
+    return "\n".join(
+        f"Step {first + i}: <search>{query}</search> <information>{info}</information>"
+        for i, (query, info) in enumerate(shown)
+    )
+
+
+# ------------------------------------------------------------------------------------
+# math: Solver <-> Verifier
+# ------------------------------------------------------------------------------------
+
+
+class SolverAgent:
+    """Solves the problem, using teammates' earlier outputs as context."""
+
+    def prompt(self, episode: Episode, step: int) -> str:
+        context = _context(episode)
+        return (
+            f"Problem: {episode.question.question}\n"
+            + (f"{context}\n" if context else "")
+            + "Solver: solve it step by step, final answer in \\boxed{}."
+        )
+
+    def parse(self, response: str) -> Parsed:
+        answer = extract_boxed(response)
+        return Parsed(text=response, is_valid=answer is not None and is_plain(answer))
+
+
+class MathVerifierAgent:
+    """Reviews the latest solution and approves or rejects it."""
+
+    def prompt(self, episode: Episode, step: int) -> str:
+        return (
+            f"Problem: {episode.question.question}\n"
+            f"{_context(episode)}\n"
+            "Verifier: check the last solution, end with <verify>approve</verify> or <verify>reject</verify>."
+        )
+
+    def parse(self, response: str) -> Parsed:
+        return _verdict(response, ("approve", "reject"))
+
+
+# ------------------------------------------------------------------------------------
+# search: Verifier routes to Search or Answer
+# ------------------------------------------------------------------------------------
+
+
+def _verdict(response: str, options: tuple[str, str], lower: bool = False) -> Parsed:
+    """A <verify> verdict that must be one of ``options`` (anything else is malformed),
+    with the whole response as the text teammates read."""
+    verdict = find_tag(response.lower() if lower else response, "verify")
+    well_formed = verdict in options and not CJK.search(response)
+    return Parsed(text=response.strip(), is_valid=well_formed, verdict=verdict if verdict in options else "")
+
+
+def _tagged_after_thinking(response: str, tag: str) -> Parsed:
+    """The content of <tag>, valid with exactly one think block before it (reference rule),
+    plain, and with no nested <tag> or </tag> inside it."""
+    content = find_tag(response, tag)
+    well_formed = (
+        content is not None
+        and is_plain(content)
+        and f"<{tag}>" not in content
+        and f"</{tag}>" not in content
+        and _one_think_block(response)
+        and not CJK.search(response)
+    )
+    return Parsed(text=content or "", is_valid=well_formed)
+
+
+def _search_prompt(episode: Episode, history_length: int, instruction: str) -> str:
+    """The question, the last turns' queries and passages, then the role's instruction."""
+    history = _history(episode, history_length)
+    return (
+        f"Question: {episode.question.question}\n"
+        + (f"History:\n{history}\n" if history else "")
+        + instruction
+    )
+
+
+@dataclass(frozen=True)
+class RouterAgent:
+    """Judges whether the retrieved information suffices: yes -> answer, no -> search."""
+
+    history_length: int = 4
+
+    def prompt(self, episode: Episode, step: int) -> str:
+        return _search_prompt(
+            episode,
+            self.history_length,
+            f"You are the Verifier at step {step}. Is the information enough to answer? "
+            "End with <verify>yes</verify> or <verify>no</verify>.",
+        )
+
+    def parse(self, response: str) -> Parsed:
+        return _verdict(response, ("yes", "no"), lower=True)
+
+
+@dataclass(frozen=True)
+class SearchAgent:
+    """Writes one search query; the orchestra answers it with retrieved passages."""
+
+    history_length: int = 4
+
+    def prompt(self, episode: Episode, step: int) -> str:
+        return _search_prompt(
+            episode,
+            self.history_length,
+            f"Teammates at step {step}:\n{_context(episode)}\n"
+            "You are the Searcher. Think in <think></think>, then give one query as "
+            "<search>query</search>.",
+        )
+
+    def parse(self, response: str) -> Parsed:
+        return _tagged_after_thinking(response, "search")
+
+
+@dataclass(frozen=True)
+class AnswerAgent:
+    """Gives the final answer from the retrieved information."""
+
+    history_length: int = 4
+
+    def prompt(self, episode: Episode, step: int) -> str:
+        return _search_prompt(
+            episode,
+            self.history_length,
+            "You are the Answerer. Think in <think></think>, then answer as <answer>answer</answer>.",
+        )
+
+    def parse(self, response: str) -> Parsed:
+        """The answer; an output without <answer> tags has not acted (the episode goes on,
+        as in the reference's search environment)."""
+        parsed = _tagged_after_thinking(response, "answer")
+        return Parsed(parsed.text, parsed.is_valid, acted=find_tag(response, "answer") is not None)

@@ -1,0 +1,108 @@
+"""Rows of a worker group's batch as tensors: packing into micro-batches, collation, this
+rank's share, and the log-probs a model gives the response tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from drmas.config import DrmasConfig
+
+__all__ = ["MicroBatch", "collate", "micro_batches", "rank_batches", "sampling_temperatures", "token_logprobs"]
+
+
+@dataclass
+class MicroBatch:
+    """Rows packed for one forward/backward; right-padded prompt + response sequences."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    response_mask: torch.Tensor  # [B, L-1]: 1 where the next token is a response token
+    old_logprobs: torch.Tensor  # [B, L-1], zero outside the response
+    rollout_logprobs: torch.Tensor  # [B, L-1], the engine's (equal to old unless recomputed)
+    advantages: torch.Tensor  # [B]
+    agents: list[str]
+
+
+def micro_batches(rows: list[dict[str, Any]], max_rows: int, max_tokens: int | None) -> list[list[int]]:
+    """Row indices packed in order: at most ``max_rows`` rows and ``max_tokens`` padded
+    tokens (rows x longest sequence) per micro-batch; a longer row gets one to itself."""
+    packs: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for index, row in enumerate(rows):
+        length = len(row["prompt_ids"]) + len(row["response_ids"])
+        grown = max(longest, length) * (len(current) + 1)
+        if current and (len(current) >= max_rows or (max_tokens is not None and grown > max_tokens)):
+            packs.append(current)
+            current, longest = [], 0
+        current.append(index)
+        longest = max(longest, length)
+    if current:
+        packs.append(current)
+    return packs
+
+
+def collate(rows: list[dict[str, Any]], pad_id: int) -> MicroBatch:
+    lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
+    width = max(lengths)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    response = torch.zeros((len(rows), width - 1))
+    old = torch.zeros((len(rows), width - 1))
+    engine = torch.zeros((len(rows), width - 1))
+    for b, row in enumerate(rows):
+        prompt, answer = row["prompt_ids"], row["response_ids"]
+        ids[b, : lengths[b]] = torch.tensor(prompt + answer, dtype=torch.long)
+        attention[b, : lengths[b]] = 1
+        # Token t+1 is predicted at position t: response token j sits at P+j, predicted at P+j-1.
+        start, end = len(prompt) - 1, len(prompt) - 1 + len(answer)
+        response[b, start:end] = 1.0
+        engine[b, start:end] = torch.tensor(row["rollout_logprobs"], dtype=torch.float32)
+        old[b, start:end] = torch.tensor(row.get("old_logprobs", row["rollout_logprobs"]), dtype=torch.float32)
+    return MicroBatch(
+        input_ids=ids,
+        attention_mask=attention,
+        response_mask=response,
+        old_logprobs=old,
+        rollout_logprobs=engine,
+        advantages=torch.tensor([r["advantage"] for r in rows], dtype=torch.float32),
+        agents=[r["agent"] for r in rows],
+    )
+
+
+def token_logprobs(model: torch.nn.Module, batch: MicroBatch, want_entropy: bool, temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(next token) [B, L-1] under ``model``, and the per-token entropy if asked;
+    with ``temperature`` ([B], see ``sampling_temperatures``) of the logits divided by it."""
+    # No KV cache: it is for generation, costs memory here and cannot be checkpointed.
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1].float()
+    if temperature is not None:
+        logits = logits / temperature[:, None, None]
+    log_probs = torch.log_softmax(logits, dim=-1)  # [B, L-1, V]
+    taken = log_probs.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, L-1]
+    entropy = -(log_probs.exp() * log_probs).sum(-1) if want_entropy else None  # [B, L-1]
+    return taken, entropy
+
+
+def sampling_temperatures(config: DrmasConfig, agents: list[str]) -> torch.Tensor:
+    """Each row's rollout sampling temperature ([B]; greedy counts as 1, as the engines do).
+
+    The rollout log-probs are of the distribution the engine sampled from, logits / T: the
+    trainer's must be too, or at T != 1 the PPO ratio starts away from 1 and clips updates
+    that should not be clipped (veRL divides the same way)."""
+    return torch.tensor([config.agent_sampling(agent).temperature or 1.0 for agent in agents], dtype=torch.float32)
+
+def rank_batches(rows: list[dict[str, Any]], packs: list[list[int]], pad_id: int, rank: int, world: int) -> list[MicroBatch]:
+    """This rank's micro-batches: every world-th pack, then empty ones (the last pack with
+    its response mask zeroed: no loss, no gradient) up to the busiest rank's count. ZeRO's
+    collectives in each forward and backward must line up across ranks: with one rank a
+    micro-batch short, ZeRO-2 aborts and ZeRO-3 hangs."""
+    batches = [collate([rows[i] for i in pack], pad_id) for pack in packs[rank::world]]
+    busiest = -(-len(packs) // world)
+    if len(batches) < busiest:
+        last = collate([rows[i] for i in packs[-1]], pad_id)
+        empty = replace(last, response_mask=torch.zeros_like(last.response_mask))
+        batches += [empty] * (busiest - len(batches))
+    return batches

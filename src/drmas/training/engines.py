@@ -1,0 +1,309 @@
+"""Training engines: what steps one worker group's optimizer, behind one protocol.
+
+``TorchEngine`` is plain torch AdamW (gradients summed across data-parallel ranks);
+``DeepSpeedEngine`` wraps the same AdamW in DeepSpeed ZeRO 0-3. The update's loop
+(``drmas.training.loop``) sees only ``TrainEngine``."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from drmas.config import DrmasConfig, WorkerGroup
+from drmas.training.state import TrainState, capture_state, restore_scheduler, restore_state, scheduler_state, state_mismatch
+
+__all__ = ["DeepSpeedEngine", "TorchEngine", "TrainEngine", "deepspeed_config", "ensure_process_group", "full_shape", "make_engine", "rank_and_world"]
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class TrainEngine(Protocol):
+    """What the update's loop needs from an engine, whatever does the stepping."""
+
+    model: torch.nn.Module
+    """The policy as loaded: its parameters are what is saved."""
+    forward_model: torch.nn.Module
+    """What the update's forward passes go through (DeepSpeed: its engine)."""
+    params: list[torch.nn.Parameter]
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None: ...
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the summed gradient, before clipping (NaN: the step reports it)."""
+        ...
+
+    def step(self, norm: float) -> tuple[bool, float]:
+        """Clip and step; skip (and clear) on a non-finite norm. Returns (stepped, norm)."""
+        ...
+
+    def export_state(self) -> TrainState: ...
+
+    def import_state(self, state: TrainState) -> None: ...
+
+    def lr(self) -> float: ...
+
+    def side_pass(self) -> AbstractContextManager[None]:
+        """Around a forward/backward that must leave no trace on the update (diagnostics)."""
+        ...
+
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        """The weights for rank 0 to save, or None when the model's own parameters are whole."""
+        ...
+
+
+def _adamw(model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> tuple[list[torch.nn.Parameter], torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """The trainable parameters, AdamW over them and its linear warm-up: both engines step
+    this same optimizer."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=group.lr, weight_decay=config.train.weight_decay)
+    warmup = group.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+    return params, optimizer, scheduler
+
+
+@contextmanager
+def _rng_untouched() -> Iterator[None]:
+    """The RNG is restored afterwards, so dropout draws the same masks in the real pass."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+def _gradient_norm(params: list[torch.nn.Parameter]) -> float:
+    norms = [p.grad.detach().norm(2) for p in params if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+
+class TorchEngine:
+    """AdamW with linear warm-up; gradients summed across data-parallel ranks."""
+
+    def __init__(self, model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> None:
+        self.model = model
+        self.forward_model: torch.nn.Module = model
+        self.params, self.optimizer, self.scheduler = _adamw(model, group, config)
+        self.grad_clip = config.train.grad_clip
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        loss.backward()
+
+    def grad_norm(self) -> float:
+        self._all_reduce()
+        return _gradient_norm(self.params)
+
+    def step(self, norm: float) -> tuple[bool, float]:
+        stepped = math.isfinite(norm)
+        if stepped:
+            scale = min(1.0, self.grad_clip / (norm + 1e-6))
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return stepped, norm
+
+    def export_state(self) -> TrainState:
+        return capture_state(self.model, self.optimizer, self.scheduler)
+
+    def import_state(self, state: TrainState) -> None:
+        restore_state(state, self.model, self.optimizer, self.scheduler)
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def side_pass(self) -> AbstractContextManager[None]:
+        return _rng_untouched()
+
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        return None
+
+    def _all_reduce(self) -> None:
+        if rank_and_world()[1] > 1:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+
+class DeepSpeedEngine:
+    """DeepSpeed (ZeRO 0-3) around the same torch AdamW; DeepSpeed clips and steps.
+
+    DeepSpeed averages gradients over ranks; the loss is scaled by the world size so that
+    the result is the same sum as the torch engine's. The model is loaded whole and
+    ``deepspeed.initialize`` partitions it for ZeRO-3 (``zero.Init`` would only spare the
+    peak of loading it whole).
+    """
+
+    def __init__(self, model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> None:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+        import deepspeed  # noqa: PLC0415
+
+        ensure_process_group()
+        _, world = rank_and_world()
+        self.model = model
+        self.params, optimizer, scheduler = _adamw(model, group, config)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(config, group, world)
+        )
+        # DeepSpeed's forward does per-micro-batch bookkeeping: without it ZeRO-3 overwrites
+        # the accumulated gradient with each micro-batch's instead of adding to it.
+        self.forward_model: torch.nn.Module = self.engine
+        self.world = world
+        self.zero_stage = config.train.zero_stage
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(boundary)
+        self.engine.backward(loss * self.world)
+
+    def grad_norm(self) -> float:
+        """ZeRO-0 leaves the reduced gradients on the parameters: measure them before the
+        step, so that a non-finite norm skips it. ZeRO-1/2/3 partition them: DeepSpeed
+        reports the norm while it steps (and the skip is DeepSpeed's to make)."""
+        return _gradient_norm(self.params) if self.zero_stage == 0 else float("nan")
+
+    def step(self, norm: float) -> tuple[bool, float]:
+        if self.zero_stage == 0 and not math.isfinite(norm):
+            self.engine.zero_grad()
+            return False, norm
+        self.engine.step()
+        if self.zero_stage == 0:
+            return True, norm
+        reported = self.engine.get_global_grad_norm()
+        return True, float(reported) if reported is not None else float("nan")
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    @contextmanager
+    def side_pass(self) -> Iterator[None]:
+        """ZeRO-3 gathers each module's parameters for its backward and DeepSpeed's own
+        backward partitions the leftovers at its end (from a gradient hook, which a side
+        pass never fires): partition them here, as its public ``empty_partition_cache``
+        does (a no-op below stage 3)."""
+        with _rng_untouched():
+            yield
+        self.engine.empty_partition_cache()
+
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        """ZeRO-3 keeps each parameter partitioned across ranks: gather one at a time (every
+        rank takes part) and keep a copy on rank 0, so no rank holds the whole model at once."""
+        if self.zero_stage < 3:
+            return None
+        from deepspeed.runtime.zero import GatheredParameters  # noqa: PLC0415
+
+        rank, _ = rank_and_world()
+        weights: dict[str, torch.Tensor] = {}
+        for name, param in self.model.named_parameters():
+            with GatheredParameters([param]):
+                if rank == 0:
+                    weights[name] = param.detach().cpu().clone()
+        return weights if rank == 0 else None
+
+    def export_state(self) -> TrainState:
+        """ZeRO-1/2/3 keep Adam's moments in flat partitions: gather them per parameter (a
+        collective: every rank calls this), so the saved state has one layout whatever the
+        stage and the number of ranks."""
+        if self.zero_stage == 0:
+            return capture_state(self.model, self.optimizer, self.scheduler)
+        from deepspeed.utils import safe_get_full_optimizer_state  # noqa: PLC0415
+
+        tensors: dict[str, torch.Tensor] = {"rng/torch": torch.get_rng_state()}
+        for name, param in self.model.named_parameters():
+            for key in ("exp_avg", "exp_avg_sq"):
+                tensors[f"optim/{name}/{key}"] = safe_get_full_optimizer_state(param, key).detach().cpu().contiguous()
+        step = self._base_step()
+        meta = {"scheduler": scheduler_state(self.scheduler), "steps": {name: step for name, _ in self.model.named_parameters()}}
+        return TrainState(tensors, meta)
+
+    def import_state(self, state: TrainState) -> None:
+        if self.zero_stage == 0:
+            restore_state(state, self.model, self.optimizer, self.scheduler)
+            return
+        from deepspeed.utils import safe_set_full_optimizer_state  # noqa: PLC0415
+
+        shapes = {name: full_shape(param) for name, param in self.model.named_parameters()}
+        if problem := state_mismatch(state, shapes):
+            raise ValueError(problem)
+        # AdamW creates its moments at the first step: create them as it would (zeros) on
+        # the flat partitions. ZeRO-1/2 link per-parameter views of them only then: link
+        # them with DeepSpeed's own lazy hook (0.19); ZeRO-3 reads the flat state directly.
+        base = self.engine.optimizer.optimizer
+        for flat in self._flat_partitions():
+            base.state[flat] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+        if self.zero_stage < 3:
+            self.engine.optimizer._lazy_init_hp_params_optimizer_state()
+        for name, param in self.model.named_parameters():
+            for key in ("exp_avg", "exp_avg_sq"):
+                safe_set_full_optimizer_state(param, state.tensors[f"optim/{name}/{key}"].clone(), key)
+        step = next(iter(state.meta["steps"].values()), 0.0)
+        for slot in base.state.values():
+            slot["step"] = torch.tensor(step)
+        restore_scheduler(self.scheduler, self.engine.optimizer, state.meta)
+        torch.set_rng_state(state.tensors["rng/torch"])
+
+    def _flat_partitions(self) -> list[torch.Tensor]:
+        """This rank's fp32 partitions, which the torch AdamW steps and keys its state by
+        (ZeRO-3 puts them in its param groups only while it steps)."""
+        wrapper = self.engine.optimizer
+        if self.zero_stage == 3:
+            return list(wrapper.fp32_partitioned_groups_flat)
+        return [flat for group in wrapper.optimizer.param_groups for flat in group["params"]]
+
+    def _base_step(self) -> float:
+        slots = list(self.engine.optimizer.optimizer.state.values())
+        return float(slots[0]["step"]) if slots and "step" in slots[0] else 0.0
+
+
+def deepspeed_config(config: DrmasConfig, group: WorkerGroup, world: int) -> dict[str, Any]:
+    """DeepSpeed's config for this worker group: one backward per ``engine.backward`` and
+    boundary (drmas accumulates micro-batches itself), clipping, ZeRO stage, bf16 and,
+    with ``train.offload_optimizer``, Adam's state and step in host memory (ZeRO >= 1).
+
+    Offloading keeps the torch AdamW: DeepSpeed refuses a client optimizer there unless
+    ``zero_force_ds_cpu_optimizer`` is off (its CPU Adam compiles for a minute on CPU)."""
+    train = config.train
+    zero: dict[str, Any] = {"stage": train.zero_stage}
+    if train.offload_optimizer:  # the config refuses it with ZeRO-0 (no partition to offload)
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world,
+        "gradient_clipping": train.grad_clip,
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,
+        "bf16": {"enabled": group.spec is not None and group.spec.dtype == "bfloat16"},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def full_shape(param: torch.nn.Parameter) -> torch.Size:
+    """A parameter's whole shape, also under ZeRO-3 (whose ``param.shape`` is empty
+    outside its module's forward and backward)."""
+    return param.ds_shape if hasattr(param, "ds_shape") else param.shape
+
+
+def ensure_process_group() -> None:
+    """DeepSpeed needs a process group even alone: a one-process gloo group whose
+    rendezvous is an in-memory store (a TCPStore would listen on every interface)."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed checks that a launcher set it
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def make_engine(model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> TrainEngine:
+    if config.train.backend == "deepspeed":
+        return DeepSpeedEngine(model, group, config)
+    return TorchEngine(model, group, config)

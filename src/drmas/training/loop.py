@@ -1,0 +1,199 @@
+"""One worker group's optimizer steps over its rows: the mini-batches, each micro-batch's
+share of the loss, the per-agent gradient-norm diagnostic and recomputed old log-probs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from drmas.algos import LossAggregation, aggregate_loss, policy_loss
+from drmas.config import DrmasConfig
+from drmas.training.batching import MicroBatch, collate, micro_batches, rank_batches, sampling_temperatures, token_logprobs
+from drmas.training.engines import TrainEngine, full_shape
+
+__all__ = ["MiniBatchSize", "train_worker_group"]
+
+
+@dataclass(frozen=True)
+class MiniBatchSize:
+    """The whole mini-batch (all ranks), which every micro-batch's loss is normalised by."""
+
+    tokens: int  # response tokens
+    rows: int
+    micro_batches: int
+
+
+def train_worker_group(config, group, engine, model, ref_model, rows, pad_id, iteration, rank, world) -> dict[str, float]:
+    """``updates_per_iteration`` optimizer steps over the rows; returns the wg's metrics."""
+    train, algorithm = config.train, config.algorithm
+    order = np.random.default_rng([config.experiment.seed, iteration, len(rows)]).permutation(len(rows))
+    steps = min(train.updates_per_iteration, len(rows))
+    totals: dict[str, float] = {"loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl": 0.0, "logprob_gap": 0.0}
+    norms, skipped, tokens = [], 0, 0
+    agent_norms: dict[str, list[float]] = {}
+    if train.recompute_old_logprobs:
+        _recompute_old_logprobs(model, rows, pad_id, group.micro_batch_size, train.max_tokens_per_micro_batch, config)
+    for step_index, mini in enumerate(np.array_split(order, steps)):
+        mini_rows = [rows[i] for i in mini]
+        packs = micro_batches(mini_rows, group.micro_batch_size, train.max_tokens_per_micro_batch)
+        size = MiniBatchSize(sum(len(r["response_ids"]) for r in mini_rows), len(mini_rows), len(packs))
+        batches = rank_batches(mini_rows, packs, pad_id, rank, world)
+        if config.diagnostics.per_agent_grad_norm:
+            agents = sorted({row["agent"] for row in mini_rows})
+            for agent, norm in _agent_grad_norms(engine, model, ref_model, agents, batches, size, config, world).items():
+                agent_norms.setdefault(agent, []).append(norm)
+        for index, batch in enumerate(batches):
+            loss, stats = _forward_backward(engine, ref_model, batch, size, config, boundary=index == len(batches) - 1)
+            totals["loss"] += loss.item() / steps
+            weight = batch.response_mask.sum().item() / max(size.tokens, 1)
+            for key, value in stats.items():
+                if key == "logprob_gap":  # rollout engine vs trainer: only before any step
+                    totals[key] += value * weight if step_index == 0 else 0.0
+                else:
+                    totals[key] += value * weight / steps
+        stepped, norm = engine.step(engine.grad_norm())
+        skipped += int(not stepped or not math.isfinite(norm))
+        norms.append(norm)
+        tokens += size.tokens
+    if world > 1:  # each rank saw its share of the micro-batches: sum the shares
+        shares = torch.tensor(list(totals.values()), dtype=torch.float64)
+        dist.all_reduce(shares, op=dist.ReduceOp.SUM)
+        totals = dict(zip(totals, shares.tolist(), strict=True))
+    prefix = f"wg/{group.name}"
+    metrics = {f"{prefix}/{key}": value for key, value in totals.items()}
+    metrics |= {
+        f"{prefix}/grad_norm": float(np.mean(norms)),
+        f"{prefix}/grad_norm_max": float(np.max(norms)),
+        f"{prefix}/skipped": float(skipped),
+        f"{prefix}/steps": float(steps),
+        f"{prefix}/tokens": float(tokens),
+        f"{prefix}/rows": float(len(rows)),
+        f"{prefix}/lr": engine.lr(),
+    }
+    for agent, values in agent_norms.items():
+        metrics[f"agent/{agent}/grad_norm"] = float(np.mean(values))
+    if algorithm.kl_coef == 0.0:
+        metrics.pop(f"{prefix}/kl")
+    return metrics
+
+
+
+def _agent_grad_norms(engine: TrainEngine, model, ref_model, agents: list[str], batches: list[MicroBatch], size: MiniBatchSize, config: DrmasConfig, world: int) -> dict[str, float]:
+    """Per agent of the mini-batch (``agents``, the same list on every rank), the L2 norm
+    of the gradient of its share of the loss: its rows' terms, normalised as in the update,
+    summed over this rank's micro-batches and then over ranks. The agents' gradients add
+    up to the update's (before clipping).
+
+    The gradients come from ``torch.autograd.grad`` into a buffer of their own: they never
+    reach ``p.grad``, DeepSpeed's gradient hooks or ZeRO's partitioned buffers, so the
+    update is the same with the diagnostic on or off. ZeRO-3 gathers each module's
+    parameters for its backward as usual, so the gradients are whole on every rank. Costs
+    one forward and backward per agent and micro-batch, and one gradient-sized fp32 buffer.
+    """
+    norms = {}
+    with engine.side_pass():
+        for agent in agents:
+            losses = (_micro_loss(model, ref_model, batch, size, config, want_entropy=False, only_agent=agent)[0] for batch in batches)
+            gradient = _gradient_sum(engine.params, losses)
+            if world > 1:
+                dist.all_reduce(gradient, op=dist.ReduceOp.SUM)
+            norms[agent] = float(torch.linalg.vector_norm(gradient))
+    return norms
+
+
+def _gradient_sum(params: list[torch.nn.Parameter], losses: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The gradient of the sum of ``losses`` w.r.t. ``params``, flat and in fp32, one loss
+    (one graph) at a time; ``p.grad`` and every gradient hook stay untouched."""
+    sizes = [math.prod(full_shape(p)) for p in params]
+    total = torch.zeros(sum(sizes), dtype=torch.float32, device=params[0].device)
+    parts = total.split(sizes)
+    for loss in losses:
+        for part, grad in zip(parts, torch.autograd.grad(loss, params, allow_unused=True), strict=True):
+            if grad is not None:  # a parameter this loss does not use contributes nothing
+                part.add_(grad.reshape(-1))
+    return total
+
+
+def _recompute_old_logprobs(model, rows, pad_id, max_rows, max_tokens, config: DrmasConfig) -> None:
+    """The old policy's log-probs by the trainer itself, before any step (one no-grad pass),
+    instead of the rollout engine's: removes engine/trainer numerical mismatch."""
+    with torch.no_grad():
+        for pack in micro_batches(rows, max_rows, max_tokens):
+            batch = collate([rows[i] for i in pack], pad_id)
+            logprobs, _ = token_logprobs(model, batch, want_entropy=False, temperature=sampling_temperatures(config, batch.agents))
+            for b, index in enumerate(pack):
+                rows[index]["old_logprobs"] = logprobs[b][batch.response_mask[b] > 0].tolist()
+
+
+def _forward_backward(engine: TrainEngine, ref_model, batch: MicroBatch, size: MiniBatchSize, config: DrmasConfig, boundary: bool) -> tuple[torch.Tensor, dict[str, float]]:
+    """One micro-batch's loss and its gradient, accumulated into the engine's (``boundary``:
+    the mini-batch's last micro-batch). Returns the loss and its metrics."""
+    loss, stats = _micro_loss(engine.forward_model, ref_model, batch, size, config, want_entropy=True)
+    engine.backward(loss, boundary=boundary)
+    return loss, stats
+
+
+def _micro_loss(model, ref_model, batch: MicroBatch, size: MiniBatchSize, config: DrmasConfig, want_entropy: bool, only_agent: str | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The micro-batch's share of the mini-batch loss (the shares add up to it) and its
+    token-mean metrics; with ``only_agent``, the share of that agent's rows alone,
+    normalised the same way, so that the agents' shares add up to the micro-batch's."""
+    algorithm = config.algorithm
+    mask = batch.response_mask
+    if only_agent is not None:
+        keep = torch.tensor([agent == only_agent for agent in batch.agents], dtype=mask.dtype)
+        mask = mask * keep.unsqueeze(-1)
+    temperature = sampling_temperatures(config, batch.agents)
+    logprobs, entropy = token_logprobs(model, batch, want_entropy or algorithm.entropy_coef > 0, temperature)
+    ref = None
+    if ref_model is not None:
+        with torch.no_grad():
+            ref, _ = token_logprobs(ref_model, batch, want_entropy=False, temperature=temperature)
+    aggregation, num_tokens, factor = _normalisation(algorithm.loss_aggregation, batch, size)
+    loss, stats = policy_loss(
+        logprobs,
+        batch.old_logprobs,
+        batch.advantages,
+        mask,
+        clip_ratio_low=algorithm.clip_ratio_low,
+        clip_ratio_high=algorithm.clip_ratio_high,
+        clip_ratio_c=algorithm.clip_ratio_c,
+        aggregation=aggregation,
+        num_tokens=num_tokens,
+        ref_logprobs=ref,
+        kl_coef=algorithm.kl_coef,
+        entropy=entropy if algorithm.entropy_coef > 0 else None,
+        entropy_coef=algorithm.entropy_coef,
+    )
+    with torch.no_grad():
+        result = {
+            "clipfrac": stats["clipfrac"],
+            "approx_kl": stats["approx_kl"],
+            "logprob_gap": aggregate_loss((logprobs.detach() - batch.rollout_logprobs).abs(), mask).item(),
+        }
+        if entropy is not None:
+            result["entropy"] = aggregate_loss(entropy.detach(), mask).item()
+        if "kl" in stats:
+            result["kl"] = stats["kl"]
+    return loss * factor, result
+
+
+def _normalisation(mode: LossAggregation, batch: MicroBatch, size: MiniBatchSize) -> tuple[LossAggregation, int | None, float]:
+    """(aggregation, num_tokens, factor) that make ``policy_loss`` x factor a micro-batch's
+    share of the mini-batch's loss.
+
+    token-mean: every response token of the mini-batch weighs 1 / its token count.
+    token-mean-per-micro-batch: the micro-batch's token mean over the number of
+    micro-batches of the mini-batch, all ranks together (veRL's gradient accumulation); its
+    denominator is the micro-batch's whole token count, also for one agent's share.
+    seq-mean-*: the mean over the micro-batch's rows, weighted by its share of the rows.
+    """
+    if mode == "token-mean":
+        return mode, size.tokens, 1.0
+    if mode == "token-mean-per-micro-batch":
+        return "token-mean", int(batch.response_mask.sum().item()), 1.0 / size.micro_batches
+    return mode, None, len(batch.agents) / size.rows

@@ -1,0 +1,114 @@
+"""What an exact resume needs besides the weights: optimizer moments and steps, scheduler
+counters and the RNG, saved as safetensors + JSON (never pickle) and refused when they belong to
+another model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["TrainState", "capture_state", "load_state", "restore_scheduler", "restore_state", "save_state", "scheduler_state", "state_mismatch"]
+
+
+@dataclass
+class TrainState:
+    """Everything besides the weights that an exact resume needs."""
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+
+
+def capture_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> TrainState:
+    names = {id(p): n for n, p in model.named_parameters()}
+    tensors: dict[str, torch.Tensor] = {"rng/torch": torch.get_rng_state()}
+    steps: dict[str, float] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    tensors[f"optim/{names[id(param)]}/{key}"] = value.detach().cpu().contiguous()
+                elif key == "step":
+                    steps[names[id(param)]] = float(value)
+    return TrainState(tensors, {"scheduler": scheduler_state(scheduler), "steps": steps})
+
+
+def scheduler_state(scheduler: Any) -> dict[str, Any]:
+    """The scheduler's counters; its lambdas are code, rebuilt from the config."""
+    state = scheduler.state_dict() if scheduler is not None else {}
+    return {key: value for key, value in state.items() if key != "lr_lambdas"}
+
+
+def restore_scheduler(scheduler: Any, optimizer: Any, meta: dict[str, Any]) -> None:
+    if scheduler is not None and meta.get("scheduler"):
+        scheduler.load_state_dict({**scheduler.state_dict(), **meta["scheduler"]})
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
+
+
+def restore_state(state: TrainState, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    """Load ``state`` into the optimizer; a state of another model (parameters this model
+    does not have, or shapes other than its own) is refused before anything is applied."""
+    params = dict(model.named_parameters())
+    if problem := state_mismatch(state, {name: param.shape for name, param in params.items()}):
+        raise ValueError(problem)
+    for name, param in params.items():
+        if name not in state.meta["steps"]:
+            continue
+        slot = optimizer.state[param]
+        slot["step"] = torch.tensor(state.meta["steps"][name])
+        for key in ("exp_avg", "exp_avg_sq"):
+            slot[key] = state.tensors[f"optim/{name}/{key}"].clone()
+    restore_scheduler(scheduler, optimizer, state.meta)
+    torch.set_rng_state(state.tensors["rng/torch"])
+
+
+def state_mismatch(state: TrainState, shapes: dict[str, torch.Size]) -> str | None:
+    """How a saved optimizer state fails to fit parameters of these shapes, or None."""
+    foreign = sorted(set(state.meta["steps"]) - set(shapes))
+    if foreign:
+        return (
+            f"it holds state for {len(foreign)} parameter(s) this model does not have "
+            f"(e.g. {foreign[0]!r}): the optimizer state of another model"
+        )
+    for name in state.meta["steps"]:
+        for key in ("exp_avg", "exp_avg_sq"):
+            saved = state.tensors.get(f"optim/{name}/{key}")
+            if saved is None or saved.shape != shapes[name]:
+                found = "missing" if saved is None else f"of shape {tuple(saved.shape)}"
+                return f"the state for {name}.{key} is {found}, but the parameter has shape {tuple(shapes[name])}"
+    return None
+
+
+def save_state(state: TrainState, folder: Path) -> None:
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state.tensors, str(folder / "optimizer.safetensors"))
+    (folder / "state.json").write_text(json.dumps(state.meta, sort_keys=True))
+
+
+def load_state(folder: Path) -> TrainState:
+    """The state ``save_state`` wrote; ValueError (naming the file) for anything else.
+
+    Tensors come from safetensors and the rest from JSON: nothing is unpickled, so a
+    pickle planted in their place is refused, never run.
+    """
+    from safetensors import SafetensorError  # noqa: PLC0415
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    try:
+        tensors = load_file(str(folder / "optimizer.safetensors"))
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"optimizer.safetensors is not a safetensors file ({error})") from None
+    try:
+        meta = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"state.json is not readable JSON ({error})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("steps"), dict) or "rng/torch" not in tensors:
+        raise ValueError("not an optimizer state drmas wrote (state.json without 'steps' or no RNG state)")
+    return TrainState(tensors, meta)

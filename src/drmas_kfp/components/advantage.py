@@ -1,0 +1,37 @@
+"""Advantage: scores, groups and agent-wise (Dr. MAS) or GRPO advantages."""
+
+from kfp import dsl
+from kfp.dsl import Dataset, Input, Metrics, Output
+
+from drmas_kfp.components.images import CPU_IMAGE
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def advantage(
+    config_json: str,
+    run_id: str,
+    iteration: int,
+    trajectories: Input[Dataset],
+    batch: Output[Dataset],
+    metrics: Output[Metrics],
+    force: bool = False,
+):
+    """``iter-{i}/rollout/trajectories.parquet`` -> ``iter-{i}/advantage/batch.parquet``
+    (reused when stored with the same cache key, unless ``force``)."""
+    from drmas.stages.advantage import advantage as advantage_stage
+    from drmas.infra.caching import cache_key
+    from drmas.infra.layout import stage_path
+    from drmas.stages.io import METRICS_FILE, expect_input, open_stage, publish, publish_metrics, reuse_or_compute
+
+    config, store = open_stage(config_json)
+    source = stage_path(config.experiment.name, run_id, iteration, "rollout")
+    expect_input(trajectories, source, store, f"the advantage of iteration {iteration}")
+    path = stage_path(config.experiment.name, run_id, iteration, "advantage")
+    key = cache_key(config, "advantage", store, {"rollout": source})
+
+    def compute():
+        advantage_stage(config, store, run_id, iteration, overwrite=True, cache_key=key)
+
+    reuse_or_compute(store, path, key, force, compute, label=f"advantage iter {iteration}")
+    publish(store, path, batch, iteration)
+    publish_metrics(store.open(path).read_json(METRICS_FILE), metrics)

@@ -1,0 +1,63 @@
+"""Checkpoint: commit an iteration once every worker group's update is in the store."""
+
+from kfp import dsl
+from kfp.dsl import Input, Metrics, Model, Output
+
+from drmas_kfp.components.images import CPU_IMAGE
+
+MAX_WORKER_GROUPS = 8
+"""Update slots of the checkpoint component (``update_0`` ... ``update_7``): a KFP
+component has a fixed signature, and fanning in with ``dsl.Collected`` would need a
+``ParallelFor``, which kfp.local 2.17.3 gets wrong; the pipelines fill one slot per worker
+group and refuse configs with more groups."""
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def checkpoint(
+    config_json: str,
+    run_id: str,
+    iteration: int,
+    checkpoint: Output[Model],
+    metrics: Output[Metrics],
+    update_0: Input[Model] = None,
+    update_1: Input[Model] = None,
+    update_2: Input[Model] = None,
+    update_3: Input[Model] = None,
+    update_4: Input[Model] = None,
+    update_5: Input[Model] = None,
+    update_6: Input[Model] = None,
+    update_7: Input[Model] = None,
+    force: bool = False,
+):
+    """Write ``iter-{i}/checkpoint`` naming every worker group's new policy and optimizer
+    state (one ``update_k`` per worker group) with the iteration's metrics; the output is
+    the policy set the next iteration starts from."""
+    from drmas.infra.caching import cache_key
+    from drmas.stages.checkpoint import checkpoint as checkpoint_stage
+    from drmas.infra.layout import optim_path, policy_path, stage_path
+    from drmas.stages.io import METRICS_FILE, open_stage, policy_set, publish, publish_metrics, reuse_or_compute
+    from drmas.infra.store import iteration_path
+
+    config, store = open_stage(config_json)
+    experiment = config.experiment.name
+    updates = [u for u in (update_0, update_1, update_2, update_3, update_4, update_5, update_6, update_7) if u is not None]
+    given = {u.metadata["wg"]: u.metadata["artifact"] for u in updates}
+    groups = [group.name for group in config.worker_groups()]
+    expected = {wg: policy_path(experiment, run_id, iteration, wg) for wg in groups}
+    if given != expected:
+        raise ValueError(f"the checkpoint of iteration {iteration} needs the updates {expected}, got {given}")
+    optims = {wg: optim_path(experiment, run_id, iteration, wg) for wg in groups}
+    inputs = {f"policy/{wg}": expected[wg] for wg in groups} | {f"optim/{wg}": optims[wg] for wg in groups}
+    path = stage_path(experiment, run_id, iteration, "checkpoint")
+    key = cache_key(config, "checkpoint", store, inputs, iteration=iteration)
+
+    def compute():
+        values = {}
+        for source in [stage_path(experiment, run_id, iteration, "rollout"), stage_path(experiment, run_id, iteration, "advantage"), *expected.values()]:
+            values |= store.open(source).read_json(METRICS_FILE)
+        checkpoint_stage(config, store, run_id, iteration, values, overwrite=True, cache_key=key)
+
+    reuse_or_compute(store, path, key, force, compute, label=f"checkpoint iter {iteration}")
+    home = iteration_path(experiment, run_id, iteration)
+    publish(store, path, checkpoint, iteration, **policy_set(store, home, {wg: (expected[wg], "") for wg in groups}, optims))
+    publish_metrics(store.open(path).read_json(METRICS_FILE), metrics)

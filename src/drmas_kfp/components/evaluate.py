@@ -1,0 +1,48 @@
+"""Evaluate: the team on the eval split, k episodes per question (avg@k, pass@k)."""
+
+from kfp import dsl
+from kfp.dsl import Dataset, Input, Metrics, Model, Output
+
+from drmas_kfp.components.images import GPU_IMAGE
+
+
+@dsl.component(base_image=GPU_IMAGE, install_kfp_package=False)
+def evaluate(
+    config_json: str,
+    policies: Input[Model],
+    results: Output[Dataset],
+    metrics: Output[Metrics],
+    label: str = "evaluate",
+    force: bool = False,
+):
+    """Evaluate the policy set ``policies`` (a checkpoint, or the warm start) on the eval
+    set of the config; ``eval.parquet`` and metrics go to ``{home}/{label}`` beside it
+    (``iter-{i}/evaluate``, or ``init/evaluate`` before training). An empty ``label``
+    names the output after the eval settings, ``evaluate-{hash}``, as ``drmas eval`` does,
+    so evaluations of one checkpoint on different eval sets do not overwrite each other.
+    """
+    import hashlib
+    import json
+
+    from drmas.infra.caching import cache_key
+    from drmas.stages.evaluate import evaluate as evaluate_stage
+    from drmas.generation.pool import PoolOnDemand
+    from drmas.stages.io import METRICS_FILE, open_stage, publish, publish_metrics, reuse_or_compute
+    from drmas.generation.workers import PolicyRef
+
+    config, store = open_stage(config_json)
+    refs = {wg: PolicyRef(**ref) for wg, ref in policies.metadata["policies"].items()}
+    iteration = int(policies.metadata["iteration"])  # KFP metadata numbers come back as floats
+    if not label:
+        settings = json.dumps({"data": config.data_spec("eval"), "eval": config.eval.model_dump()}, sort_keys=True)
+        label = f"evaluate-{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
+    path = f"{policies.metadata['home']}/{label}"
+    key = cache_key(config, "evaluate", store, {f"policy/{wg}": ref.artifact for wg, ref in refs.items()})
+
+    def compute():
+        with PoolOnDemand(config, store, None) as pool:
+            evaluate_stage(config, store, path, refs, pool(), overwrite=True, cache_key=key)
+
+    reuse_or_compute(store, path, key, force, compute, label=f"evaluate iter {iteration}")
+    publish(store, path, results, iteration)
+    publish_metrics(store.open(path).read_json(METRICS_FILE), metrics)

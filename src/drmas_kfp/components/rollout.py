@@ -1,0 +1,45 @@
+"""Rollout: the team plays every episode of an iteration on the Ray pool."""
+
+from kfp import dsl
+from kfp.dsl import Dataset, Input, Metrics, Model, Output
+
+from drmas_kfp.components.images import GPU_IMAGE
+
+
+@dsl.component(base_image=GPU_IMAGE, install_kfp_package=False)
+def rollout(
+    config_json: str,
+    run_id: str,
+    iteration: int,
+    policies: Input[Model],
+    trajectories: Output[Dataset],
+    metrics: Output[Metrics],
+    force: bool = False,
+):
+    """Roll out ``iteration`` with the policy set ``policies`` (the warm start or the previous
+    checkpoint): ``iter-{i}/rollout/trajectories.parquet`` in the store.
+
+    Joins the RayCluster named by ``ray.address`` (or ``RAY_ADDRESS``: the one Ray of a
+    kfp.local run) or starts a local Ray, and shuts down the Ray it started. The output is
+    reused when the store holds it with the same cache key (``drmas.infra.caching``) unless
+    ``force``.
+    """
+    from drmas.infra.caching import cache_key
+    from drmas.infra.layout import stage_path
+    from drmas.stages.rollout import rollout as rollout_stage
+    from drmas.generation.pool import PoolOnDemand
+    from drmas.stages.io import METRICS_FILE, open_stage, publish, publish_metrics, reuse_or_compute
+    from drmas.generation.workers import PolicyRef
+
+    config, store = open_stage(config_json)
+    refs = {wg: PolicyRef(**ref) for wg, ref in policies.metadata["policies"].items()}
+    path = stage_path(config.experiment.name, run_id, iteration, "rollout")
+    key = cache_key(config, "rollout", store, {f"policy/{wg}": ref.artifact for wg, ref in refs.items()}, iteration=iteration)
+
+    def compute():
+        with PoolOnDemand(config, store, None) as pool:
+            rollout_stage(config, store, run_id, iteration, refs, pool(), overwrite=True, cache_key=key)
+
+    reuse_or_compute(store, path, key, force, compute, label=f"rollout iter {iteration}")
+    publish(store, path, trajectories, iteration)
+    publish_metrics(store.open(path).read_json(METRICS_FILE), metrics)
