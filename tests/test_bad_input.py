@@ -76,7 +76,7 @@ def manifests(root: Path) -> dict[str, bytes]:
 CONFIG_CASES = {
     "unknown key": (["rollout.groupsize=4"], "rollout.groupsize: unknown key; did you mean 'group_size'?"),
     "wrong type": (["rollout.group_size=many"], "rollout.group_size: Input should be a valid integer"),
-    "wrong type in an agent": (["agents.solver.lr=fast"], "agents[0].lr: Input should be a valid number"),
+    "wrong type in an agent": (["agents.solver.lr=fast"], "override agents.solver.lr: Input should be a valid number"),
     "impossible width": (["models.tiny.hidden_size=4"], "models.tiny.hidden_size: Input should be greater than or equal to 8"),
     "impossible heads": (["models.tiny.num_kv_heads=3"], "models.tiny: num_heads 4 is not divisible by num_kv_heads 3"),
     "impossible group": (["rollout.group_size=1"], "rollout.group_size: is 1, but advantage 'drmas'"),
@@ -85,11 +85,11 @@ CONFIG_CASES = {
         ["workers.sharing=by_model", "agents.solver.micro_batch_size=4"],
         "micro_batch_size differs between agents that share worker group 'solver-verifier' (solver=4, verifier=32)",
     ),
-    "missing model folder": (["agents.solver.model=./no/such/model"], "agents[0].model: './no/such/model' is neither a key of models"),
+    "missing model folder": (["agents.solver.model=./no/such/model"], "override agents.solver.model: './no/such/model' is neither a key of models"),
     "missing model source": (["models.tiny.source=/no/such/model"], "models.tiny: source '/no/such/model' looks like a local folder but does not exist"),
     "model folder without config.json": (["models.tiny.source={empty}"], "has no config.json (not a Hugging Face model folder)"),
     "unknown orchestra": (["task.orchestra=debate"], "task.orchestra: unknown orchestra 'debate'"),
-    "unknown agent": (["agents.verifier.name=critic"], "agents[1].name: orchestra 'math' has no agent 'critic'"),
+    "unknown agent": (["agents.verifier.name=critic"], "override agents.verifier.name: orchestra 'math' has no agent 'critic'"),
     "credentials in the tracking URI": (["tracking.uri=http://ann:hunter2@mlflow:5000"], "tracking.uri: must not hold credentials"),
 }
 

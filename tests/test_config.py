@@ -95,7 +95,7 @@ def test_flat_params_name_agents():
     [
         (["rollout.grup_size=3"], "rollout.grup_size: unknown key; did you mean 'group_size'?"),
         (["algorithm.advantge=grpo"], "algorithm.advantge: unknown key; did you mean 'advantage'?"),
-        (["agents.solver.lrr=1"], "agents[0].lrr: unknown key; did you mean 'lr'?"),
+        (["agents.solver.lrr=1"], "override agents.solver.lrr: unknown key; did you mean 'lr'?"),
         (["models.tiny.hiden_size=64"], "models.tiny.hiden_size: unknown key; did you mean 'hidden_size'?"),
         (["train.lr=fast"], "train.lr: Input should be a valid number"),
         (["train.zero_stage=4"], "train.zero_stage: Input should be less than or equal to 3"),
@@ -103,10 +103,10 @@ def test_flat_params_name_agents():
         (["algorithm.advantage=ppo"], "algorithm.advantage: Input should be 'drmas' or 'grpo'"),
         (["rollout.group_size=1"], "rollout.group_size: is 1, but advantage 'drmas'"),
         (["rollout.group_size=1", "algorithm.advantage=grpo"], "advantage 'grpo' normalises"),
-        (["agents.verifier.name=critic"], "agents[1].name: orchestra 'math' has no agent 'critic'"),
+        (["agents.verifier.name=critic"], "override agents.verifier.name: orchestra 'math' has no agent 'critic'"),
         (["agents.verifier.name=verfier"], "did you mean 'verifier'?"),
-        (["agents.verifier.name=solver"], "agents[1].name: agent 'solver' is listed twice"),
-        (["agents.solver.model=./no/such/folder"], "agents[0].model: './no/such/folder' is neither"),
+        (["agents.verifier.name=solver"], "override agents.verifier.name: agent 'solver' is listed twice"),
+        (["agents.solver.model=./no/such/folder"], "override agents.solver.model: './no/such/folder' is neither"),
         (["task.orchestra=nope"], "task.orchestra: unknown orchestra 'nope'"),
         (["task.orchestra=no_such_module:X"], "cannot import orchestra"),
         (["store.endpoint=http://key:secret@host:9000"], "store.endpoint: must look like http(s)://host:port"),
@@ -127,7 +127,7 @@ def test_each_problem_is_named(overrides, expected):
 
 def test_missing_agent_is_reported():
     found = problems("agents=[{name: solver, model: tiny}]")
-    assert found == ["agents: orchestra 'math' needs agent 'verifier', which is not configured"]
+    assert found == ["override agents: orchestra 'math' needs agent 'verifier', which is not configured"]
 
 
 def test_conflicting_settings_in_a_shared_worker_group_name_field_and_agents():
@@ -142,9 +142,9 @@ def test_explicit_groups_are_checked():
     found = problems(
         "workers.groups={g1: [solver], g2: [solver, verifir]}",
     )
-    assert "workers.groups: agent 'solver' is in both 'g1' and 'g2'" in found
-    assert "workers.groups.g2: unknown agent 'verifir'; did you mean 'verifier'?" in found
-    assert "workers.groups: agent 'verifier' is in no worker group" in found
+    assert "override workers.groups: agent 'solver' is in both 'g1' and 'g2'" in found
+    assert "override workers.groups: workers.groups.g2: unknown agent 'verifir'; did you mean 'verifier'?" in found
+    assert "override workers.groups: agent 'verifier' is in no worker group" in found
     mixed = problems("models.other={hidden_size: 64}", "agents.solver.model=other", "workers.groups={g: [solver, verifier]}")
     assert any("its agents name different models (other, tiny)" in p for p in mixed)
 
@@ -189,4 +189,4 @@ def test_from_json_errors_are_config_errors():
 def test_no_credentials_field_exists():
     """Secrets come from the environment; a config that tries to carry them is rejected."""
     found = problems("store.secret_key=abc", "tracking.token=abc")
-    assert {p.split(":")[0] for p in found} == {"store.secret_key", "tracking.token"}
+    assert {p.split(":")[0] for p in found} == {"override store.secret_key", "override tracking.token"}

@@ -67,9 +67,8 @@ def _drmas(*args: str) -> subprocess.CompletedProcess[str]:
 def test_cli_config_prints_worker_groups_and_resolved_json():
     result = _drmas("config", "configs/math_tiny.yaml", "workers.sharing=by_model")
     assert result.returncode == 0, result.stderr
-    first, _, rest = result.stdout.partition("\n")
-    assert first.startswith("worker group solver-verifier: model tiny, agents solver, verifier")
-    assert json.loads(rest)["workers"]["sharing"] == "by_model"
+    assert result.stderr.startswith("worker group solver-verifier: model tiny, agents solver, verifier")
+    assert json.loads(result.stdout)["workers"]["sharing"] == "by_model"
 
 
 def test_cli_bad_config_exits_2_with_the_problem():

@@ -1,12 +1,15 @@
-"""The ``drmas`` command line.
+"""drmas: train cooperative multi-agent LLM teams with RL (Dr. MAS), here or on Kubeflow.
 
-    drmas config CONFIG [a.b=value ...]   validate, print worker groups and the resolved JSON
+examples:
+    drmas config CONFIG [a.b=value ...] [-o json|yaml]
+                                          validate, print the resolved config (worker
+                                          groups on stderr)
     drmas config --docs                   every config field with its documentation
     drmas run CONFIG [a.b=value ...] [--run-id ID] [--resume ID]
                                           train with the embedded runner (resumable)
     drmas eval CONFIG --run-id ID [--iteration I] [data.eval=FILE ...]
                                           evaluate a checkpoint (avg@k, pass@k)
-    drmas rerun CONFIG --run-id ID --iteration I --stage advantage
+    drmas rerun CONFIG --run-id ID --iteration I --stage advantage [--worker-group WG]
                                           recompute one stage from its stored inputs
     drmas compare CONFIG --advantage grpo,drmas --seeds 3 [a.b=value ...] [--name NAME]
                                           train per mode and seed, report gradient norms,
@@ -30,29 +33,43 @@ import logging
 import os
 import sys
 import time
+import types
 import typing
 from pathlib import Path
 
 from pydantic import BaseModel
 
+import drmas
 from drmas.config import ConfigError, DrmasConfig, load_config
+
+if typing.TYPE_CHECKING:
+    from drmas.store import Store
+
+RERUN_STAGES = ("rollout", "advantage", "update", "evaluate", "checkpoint")
+"""The stages of an iteration that ``drmas rerun --stage`` recomputes."""
 
 
 def main(argv: list[str] | None = None) -> int:
     # transformers' per-file "Loading weights" bars would bury the per-iteration lines (Ray
     # workers inherit this too: they start after it is set).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    parser = argparse.ArgumentParser(prog="drmas", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+    description, examples = __doc__.split("\n\n", 1)
+    parser = argparse.ArgumentParser(
+        prog="drmas", description=description, epilog=examples, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {drmas.__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
     config_cmd = commands.add_parser("config", help="validate a config and print it resolved")
-    config_cmd.add_argument("config", nargs="?", help="YAML config file")
-    config_cmd.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    _config_arguments(config_cmd, optional=True)
     config_cmd.add_argument("--docs", action="store_true", help="document every field")
+    config_cmd.add_argument(
+        "-o", "--output", choices=("json", "yaml"), default="json",
+        help="format of the resolved config on stdout (default: json); the worker groups go to stderr",
+    )
 
     run_cmd = commands.add_parser("run", help="train a team with the embedded runner")
-    run_cmd.add_argument("config", help="YAML config file")
-    run_cmd.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    _config_arguments(run_cmd)
     run_cmd.add_argument("--run-id", help="name of the run (default: experiment.run_id or a timestamp)")
     run_cmd.add_argument("--resume", metavar="RUN_ID", help="continue this run after its last complete iteration")
     run_cmd.add_argument(
@@ -62,34 +79,30 @@ def main(argv: list[str] | None = None) -> int:
     _pipeline_options(run_cmd, run_id=False)
 
     eval_cmd = commands.add_parser("eval", help="evaluate a run's checkpoint on an eval set")
-    eval_cmd.add_argument("config", help="YAML config file (its eval section and data.eval are used)")
-    eval_cmd.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. data.eval=other.jsonl")
+    _config_arguments(eval_cmd, "YAML config file (its eval section and data.eval are used)", "e.g. data.eval=other.jsonl")
     eval_cmd.add_argument("--run-id", required=True, help="the run whose checkpoint to evaluate")
-    eval_cmd.add_argument("--iteration", type=int, help="checkpointed iteration (default: the last)")
+    eval_cmd.add_argument("--iteration", type=int, metavar="I", help="checkpointed iteration (default: the last)")
 
     rerun_cmd = commands.add_parser("rerun", help="recompute one stage of an iteration from its stored inputs")
-    rerun_cmd.add_argument("config", help="YAML config file of the run")
-    rerun_cmd.add_argument("overrides", nargs="*", help="section.field=value overrides (must match the run's)")
-    rerun_cmd.add_argument("--run-id", required=True)
-    rerun_cmd.add_argument("--iteration", type=int, required=True)
-    rerun_cmd.add_argument("--stage", required=True, help="rollout, advantage, update (or policy/WG), evaluate or checkpoint")
+    _config_arguments(rerun_cmd, "YAML config file of the run", "must match the run's")
+    rerun_cmd.add_argument("--run-id", required=True, help="the run whose iteration to recompute")
+    rerun_cmd.add_argument("--iteration", type=int, required=True, metavar="I", help="a checkpointed iteration of the run")
+    rerun_cmd.add_argument("--stage", required=True, choices=RERUN_STAGES, help="the stage to recompute")
+    rerun_cmd.add_argument("--worker-group", metavar="WG", help="with --stage update: only this worker group's update (default: every group's)")
 
     compare_cmd = commands.add_parser("compare", help="train the same team per advantage mode and seed, and compare them")
-    compare_cmd.add_argument("config", help="YAML config file")
-    compare_cmd.add_argument("overrides", nargs="*", help="section.field=value overrides (for every run)")
+    _config_arguments(compare_cmd, overrides_help="for every run")
     compare_cmd.add_argument("--advantage", default="grpo,drmas", help="comma-separated advantage modes (default: grpo,drmas)")
     compare_cmd.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default: 3)")
     compare_cmd.add_argument("--name", default="compare", help="prefix of the runs and folder of the report (default: compare)")
 
     compile_cmd = commands.add_parser("compile", help="compile the Kubeflow pipeline of a config to YAML")
-    compile_cmd.add_argument("config", help="YAML config file")
-    compile_cmd.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    _config_arguments(compile_cmd)
     compile_cmd.add_argument("-o", "--output", required=True, help="where to write the compiled pipeline (YAML)")
     _pipeline_options(compile_cmd)
 
     submit_cmd = commands.add_parser("submit", help="compile the Kubeflow pipeline of a config and start a run")
-    submit_cmd.add_argument("config", help="YAML config file")
-    submit_cmd.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    _config_arguments(submit_cmd)
     submit_cmd.add_argument("--host", required=True, help="the Kubeflow Pipelines API, e.g. http://localhost:8080")
     submit_cmd.add_argument("--experiment", help="KFP experiment (default: experiment.name)")
     submit_cmd.add_argument("--run-name", help="KFP run name (default: the run id and the pipeline)")
@@ -104,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    if args.config is not None and (problem := _config_file_problem(args.config)):
+        commands.choices[args.command].error(problem)
     try:
         if args.command == "config":
             return _config(args)
@@ -124,6 +142,30 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"drmas: {error}", file=sys.stderr)
         return 2
+
+
+def _config_arguments(
+    command: argparse.ArgumentParser, config_help: str = "YAML config file", overrides_help: str = "", optional: bool = False
+) -> None:
+    """The CONFIG file and the overrides that every command takes first; the overrides
+    may be none (``default``: argparse would otherwise call them required)."""
+    command.add_argument("config", nargs="?" if optional else None, metavar="CONFIG", help=config_help)
+    command.add_argument(
+        "overrides", nargs="*", default=[], metavar="a.b=value",
+        help="section.field=value overrides" + (f" ({overrides_help})" if overrides_help else ""),
+    )
+
+
+def _config_file_problem(config: str) -> str | None:
+    """Why CONFIG, as given, cannot be a config file, where the reason is not that it
+    is missing: an override or a folder in its place."""
+    path = Path(config)
+    if path.is_dir():
+        files = sorted(str(file) for file in path.glob("*.y*ml"))
+        return f"CONFIG {config} is a folder, not a YAML file" + (f"; its YAML files: {', '.join(files)}" if files else "")
+    if "=" in config and not path.exists():
+        return f"CONFIG is missing: {config} is an override; the YAML file comes first (CONFIG a.b=value ...)"
+    return None
 
 
 def _fail(command: str, message: object, status: int = 1) -> int:
@@ -177,6 +219,18 @@ def _load(args: argparse.Namespace, logs: bool = True) -> DrmasConfig:
     return load_config(args.config, args.overrides)
 
 
+def _missing_run(config: DrmasConfig, store: Store, run_id: str) -> str | None:
+    """Why ``run_id`` cannot be continued, evaluated or rerun when it was never started
+    (a typo, another store.root): the runs that the store does hold, to pick from."""
+    from drmas.layout import run_path  # noqa: PLC0415
+
+    if store.exists(f"{run_path(config.experiment.name, run_id)}/run"):
+        return None
+    experiment = config.experiment.name
+    runs = [path.split("/")[1] for path in store.list(experiment) if path.count("/") == 2 and path.endswith("/run")]
+    return f"no run {run_id!r} in {store.uri(experiment)} (" + (f"its runs: {', '.join(runs)})" if runs else "it has no runs)")
+
+
 def _run_id(args: argparse.Namespace, config: DrmasConfig) -> str:
     """The run a command trains or compiles for: --resume (run only), --run-id, the
     config's experiment.run_id, or a new one named by the time."""
@@ -193,14 +247,22 @@ def _start_run(args: argparse.Namespace) -> tuple[DrmasConfig, str]:
 
 
 def _config(args: argparse.Namespace) -> int:
+    """Validate the config; print it resolved on stdout (JSON or YAML, nothing else)."""
     if args.docs:
         print("\n".join(describe_fields(DrmasConfig)))
         return 0
     if not args.config:
         return _fail("config", "give a CONFIG file, or --docs", 2)
     config = _load(args, logs=False)
-    _print_worker_groups(config)
-    print(config.to_json(indent=2))
+    _print_worker_groups(config, sys.stderr)  # stdout holds only the config, for a parser
+    if args.output == "yaml":
+        import json  # noqa: PLC0415
+
+        import yaml  # noqa: PLC0415
+
+        print(yaml.safe_dump(json.loads(config.to_json()), sort_keys=False), end="")
+    else:
+        print(config.to_json(indent=2))
     return 0
 
 
@@ -215,6 +277,8 @@ def _run(args: argparse.Namespace) -> int:
         return _fail("run", error)
     try:
         store = Store.from_config(config.store)
+        if args.resume is not None and (missing := _missing_run(config, store, run_id)):
+            return _fail("run", missing)
         config = open_run(config, store, run_id, resume=args.resume is not None)
         print(f"run {run_id}: {config.experiment.iterations} iterations, store {store.uri(config.experiment.name)}/{run_id}")
         summary = train(config, store, run_id, cache_dir=Path(".cache") / "drmas", config_path=args.config)
@@ -236,10 +300,19 @@ def _rerun(args: argparse.Namespace) -> int:
     from drmas.infra.store import Store  # noqa: PLC0415
 
     config = _load(args)
+    stage = args.stage
+    if args.worker_group is not None:
+        groups = [group.name for group in config.worker_groups()]
+        if stage != "update" or args.worker_group not in groups:
+            return _fail("rerun", f"--worker-group takes --stage update and one of {', '.join(groups)} "
+                         f"(got --stage {stage} --worker-group {args.worker_group})", 2)
+        stage = f"policy/{args.worker_group}"
     try:
         store = Store.from_config(config.store)
+        if missing := _missing_run(config, store, args.run_id):
+            return _fail("rerun", missing)
         config = open_run(config, store, args.run_id, resume=True)
-        result = rerun(config, store, args.run_id, args.iteration, args.stage, cache_dir=Path(".cache") / "drmas")
+        result = rerun(config, store, args.run_id, args.iteration, stage, cache_dir=Path(".cache") / "drmas")
     except _stopping_errors() as error:
         return _fail("rerun", error)
     print(f"recomputed: {', '.join(result.recomputed)}; cache hits: {', '.join(n for n in result.stages if n not in result.recomputed and not n.startswith('optim/'))}")
@@ -279,6 +352,8 @@ def _eval(args: argparse.Namespace) -> int:
     try:
         _check_inputs(config)
         store = Store.from_config(config.store)
+        if missing := _missing_run(config, store, args.run_id):
+            return _fail("eval", missing)
         iteration = args.iteration
         if iteration is None:
             from drmas.stages.checkpoint import resume_point  # noqa: PLC0415
@@ -415,11 +490,13 @@ def _run_kfp_local(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_worker_groups(config: DrmasConfig) -> None:
+def _print_worker_groups(config: DrmasConfig, file: typing.TextIO | None = None) -> None:
+    """One line per worker group, on ``file`` (default: stdout, as it is when printing)."""
     for group in config.worker_groups():
         print(
             f"worker group {group.name}: model {group.model}, agents {', '.join(group.agents)}, "
-            f"lr {group.lr}, micro-batch {group.micro_batch_size}"
+            f"lr {group.lr}, micro-batch {group.micro_batch_size}",
+            file=file,
         )
 
 
@@ -438,9 +515,23 @@ def describe_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
             if field.is_required()
             else f"default {field.get_default(call_default_factory=True)!r}"
         )
-        kind = getattr(field.annotation, "__name__", str(field.annotation).replace("typing.", ""))
-        lines.append(f"{path} ({kind}, {default}): {(field.description or '').replace(chr(10), ' ')}")
+        lines.append(f"{path} ({_type_name(field.annotation)}, {default}): {(field.description or '').replace(chr(10), ' ')}")
     return lines
+
+
+def _type_name(annotation: typing.Any) -> str:
+    """A field's type as the user writes its value: a Literal as its allowed values
+    ('none' | 'by_model'), so that the docs say what the field takes."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return " | ".join(repr(value) for value in typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(option) for option in typing.get_args(annotation))
+    if annotation is type(None):
+        return "None"
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")  # a generic: dict[str, list[str]]
 
 
 def _section_type(annotation: typing.Any) -> type[BaseModel] | None:

@@ -671,16 +671,29 @@ class WorkerGroup:
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> DrmasConfig:
-    """Read YAML (or start empty), apply ``a.b.c=value`` overrides, validate."""
-    source = str(path) if path is not None else "overrides"
+    """Read YAML (or start empty), apply ``a.b.c=value`` overrides, validate.
+
+    A problem in what an override set is reported under the override as it was typed
+    (``override agents.solver.lr: ...``), not under the resolved path in the file
+    (``agents[0].lr``): the user looks for it on the command line.
+    """
     raw: dict[str, Any] = {}
     if path is not None:
         raw = _read_yaml(Path(path))
-    raw = apply_overrides(raw, overrides)
+    raw, targets = _apply_overrides(raw, overrides)
     try:
         return DrmasConfig.model_validate(raw)
     except ValidationError as error:
-        raise ConfigError(_explain(error), source) from None
+        problems = [_name_override(problem, targets) for problem in _explain(error)]
+        raise ConfigError(problems, _source(path, bool(targets), problems)) from None
+
+
+def _source(path: str | Path | None, overridden: bool, problems: list[str]) -> str:
+    """Where the problems are: the file, the overrides, or the file as overridden (a
+    problem of a section, such as two fields that disagree, may come from either)."""
+    if path is None or all(problem.startswith(OVERRIDE_PREFIX) for problem in problems):
+        return "overrides"
+    return f"{path} with overrides" if overridden else str(path)
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -704,21 +717,39 @@ def apply_overrides(raw: dict[str, Any], overrides: typing.Iterable[str]) -> dic
     (``agents.solver.lr``). Missing mappings are created; validation then rejects keys
     that do not exist, with a did-you-mean.
     """
+    return _apply_overrides(raw, overrides)[0]
+
+
+OVERRIDE_PREFIX = "override "
+"""How a problem caused by an override starts: ``override KEY: ...``, KEY as typed."""
+
+Location = tuple[str | int, ...]
+"""A path in the raw config, as pydantic reports it: ('agents', 0, 'lr')."""
+
+
+def _apply_overrides(raw: dict[str, Any], overrides: typing.Iterable[str]) -> tuple[dict[str, Any], list[tuple[str, Location]]]:
+    """``apply_overrides``, and each override's key as typed with the location it set
+    (``agents.solver.lr`` -> ('agents', 0, 'lr')), to report problems under the key.
+
+    A problem names the override by its key, not its text: a value may hold a secret.
+    """
     result = json.loads(json.dumps(raw))  # a deep copy with plain types
     problems = []
+    targets = []
     for override in overrides:
         key, sep, text = override.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             problems.append(f"override {override!r} must look like section.field=value")
             continue
         try:
             value = _parse_value(text)
-            _set_path(result, key.strip().split("."), value)
+            targets.append((key, _set_path(result, key.split("."), value)))
         except (yaml.YAMLError, ValueError) as error:
-            problems.append(f"override {override!r}: {error}")
+            problems.append(f"{OVERRIDE_PREFIX}{key}: {error}")
     if problems:
         raise ConfigError(problems, "overrides")
-    return result
+    return result, targets
 
 
 def _parse_value(text: str) -> Any:
@@ -731,31 +762,68 @@ def _parse_value(text: str) -> Any:
     return value
 
 
-def _set_path(node: Any, parts: list[str], value: Any) -> None:
+def _set_path(node: Any, parts: list[str], value: Any) -> Location:
+    """Set ``value`` at ``parts`` and return the location it went to (list parts as indices)."""
+    location: list[str | int] = []
     for depth, part in enumerate(parts):
         last = depth == len(parts) - 1
         where = ".".join(parts[: depth + 1])
         if isinstance(node, list):
             index = _list_index(node, part, where)
+            location.append(index)
             if last:
                 node[index] = value
             node = node[index]
         elif isinstance(node, dict):
+            location.append(part)
             if last:
                 node[part] = value
             else:
                 node = node.setdefault(part, {})
         else:
             raise ValueError(f"{where} is inside a value, not a section")
+    return tuple(location)
 
 
 def _list_index(items: list[Any], part: str, where: str) -> int:
     if part.isdigit() and int(part) < len(items):
         return int(part)
-    for index, item in enumerate(items):
-        if isinstance(item, dict) and item.get("name") == part:
-            return index
-    raise ValueError(f"{where}: no element with index or name {part!r}")
+    labels = [str(item.get("name", index)) if isinstance(item, dict) else str(index) for index, item in enumerate(items)]
+    if part in labels:
+        return labels.index(part)
+    listed = where.rpartition(".")[0] or where
+    raise ValueError(
+        f"{where}: no element with index or name {part!r} ({listed}: {', '.join(labels) or 'none'})"
+        f"{_did_you_mean(part, labels)}"
+    )
+
+
+def _name_override(problem: str, targets: list[tuple[str, Location]]) -> str:
+    """``problem`` under the override that caused it, if one did: the most specific (and
+    then the last) override whose location holds the problem's, or one whose path goes
+    through an unknown key. The problem's path is then spelled as the override's key."""
+    match = re.match(r"([A-Za-z0-9_.\-\[\]]+): (.*)", problem, re.DOTALL)
+    if match is None:
+        return problem
+    location = _location(match[1])
+    message = match[2]
+    unknown_key = message.startswith("unknown key")
+    causes = [
+        (len(target), order, key)
+        for order, (key, target) in enumerate(targets)
+        if location[: len(target)] == target or (unknown_key and target[: len(location)] == location)
+    ]
+    if not causes:
+        return problem
+    _, _, key = max(causes)
+    parts = key.split(".")
+    path = ".".join(parts[: len(location)]) + _dotted(location[len(parts):], nested=True)
+    return f"{OVERRIDE_PREFIX}{key}: {message}" if path == key else f"{OVERRIDE_PREFIX}{key}: {path}: {message}"
+
+
+def _location(path: str) -> Location:
+    """'agents[0].lr' -> ('agents', 0, 'lr'): the inverse of ``_dotted``."""
+    return tuple(int(index) if index else name for index, name in re.findall(r"\[(\d+)\]|([^.\[\]]+)", path))
 
 
 def _explain(error: ValidationError) -> list[str]:
@@ -781,10 +849,11 @@ def _explain(error: ValidationError) -> list[str]:
     return problems
 
 
-def _dotted(loc: tuple[Any, ...]) -> str:
+def _dotted(loc: tuple[Any, ...], nested: bool = False) -> str:
+    """('agents', 0, 'lr') -> 'agents[0].lr'; ``nested``: the rest of a longer path ('.lr')."""
     text = ""
     for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text or nested else str(part))
     return text
 
 
