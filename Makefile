@@ -13,7 +13,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 export HF_HUB_OFFLINE := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: venv run test ui clean-venv
+.PHONY: venv run test test-fast lint fmt ui clean-venv
 
 venv: $(STAMP)
 
@@ -28,8 +28,24 @@ $(STAMP):
 run: $(STAMP)
 	$(VENV)/bin/drmas run configs/math_tiny.yaml
 
-test: $(STAMP)
+# The whole suite (slow end-to-end tests included), after lint.
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Everything but the tests marked slow: a few minutes, for the edit-test loop.
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# Formatting, lint rules and types (the math and the training code), as CI enforces them.
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+# Format the code and apply the safe lint fixes.
+fmt: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 # The MLflow UI over the default tracking store (sqlite in this folder), on 127.0.0.1 only.
 ui: $(STAMP)

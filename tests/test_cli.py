@@ -15,7 +15,7 @@ from drmas import __version__
 from drmas.cli import main
 from drmas.config import load_config
 from drmas.runner import open_run
-from drmas.store import Store
+from drmas.infra.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 MATH = str(ROOT / "configs" / "math_tiny.yaml")

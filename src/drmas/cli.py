@@ -43,7 +43,7 @@ import drmas
 from drmas.config import ConfigError, DrmasConfig, load_config
 
 if typing.TYPE_CHECKING:
-    from drmas.store import Store
+    from drmas.infra.store import Store
 
 RERUN_STAGES = ("rollout", "advantage", "update", "evaluate", "checkpoint")
 """The stages of an iteration that ``drmas rerun --stage`` recomputes."""
@@ -222,7 +222,7 @@ def _load(args: argparse.Namespace, logs: bool = True) -> DrmasConfig:
 def _missing_run(config: DrmasConfig, store: Store, run_id: str) -> str | None:
     """Why ``run_id`` cannot be continued, evaluated or rerun when it was never started
     (a typo, another store.root): the runs that the store does hold, to pick from."""
-    from drmas.layout import run_path  # noqa: PLC0415
+    from drmas.infra.layout import run_path  # noqa: PLC0415
 
     if store.exists(f"{run_path(config.experiment.name, run_id)}/run"):
         return None
