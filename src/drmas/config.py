@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from drmas.registry import orchestra_agents
+from drmas.tasks import get_task
 
 __all__ = [
     "AgentConfig",
@@ -99,7 +100,7 @@ class TaskConfig(Section):
 
     @property
     def orchestra_name(self) -> str:
-        return self.orchestra or self.name
+        return self.orchestra or get_task(self.name).default_orchestra
 
 
 class DataConfig(Section):
@@ -121,10 +122,6 @@ class DataConfig(Section):
     """Questions in a generated training set."""
     generated_eval_size: int = Field(200, ge=1)
     """Questions in a generated eval set."""
-
-
-GENERATED_DATA = {"math": "generated:arithmetic", "search": "generated:facts"}
-"""The set each task uses when ``data.train`` / ``data.eval`` are unset."""
 
 
 TemplateVariables = dict[str, bool | int | float | str]
@@ -622,7 +619,7 @@ class DrmasConfig(Section):
     def data_spec(self, split: Literal["train", "eval"]) -> str:
         """Where the ``split`` questions come from: the configured file or generated set."""
         spec = self.data.train if split == "train" else self.data.eval
-        return spec or GENERATED_DATA[self.task.name]
+        return spec or get_task(self.task.name).default_data
 
     def agent_sampling(self, agent_name: str) -> SamplingConfig:
         """The rollout sampling of one agent: rollout.sampling with its overrides."""

@@ -22,8 +22,11 @@ the config as ``task.orchestra: my_package.my_module:PlanThenCode``:
             for episode, out in zip(episodes, code):
                 episode.final_answer, episode.done = out.text, True
 
-        def reward(self, episode: Episode) -> float:
-            return my_checker(episode.final_answer, episode.question.answers)
+        def reward(self, episode: Episode) -> float:   # the task's reward, or a checker of its own
+            return get_task("math").reward(episode.final_answer, episode.question)
+
+A new task (its data, tools, reward and default orchestra) is a ``drmas.tasks.Task``; see
+docs/tasks.md.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from drmas.agents import (
 )
 from drmas.config import TaskConfig
 from drmas.episodes import Episode
-from drmas.tasks.math import math_reward
+from drmas.tasks import get_task
 
 __all__ = ["MathOrchestra", "Orchestra", "SearchOrchestra", "SoloOrchestra", "Team", "Tools"]
 
@@ -57,7 +60,8 @@ class Team(Protocol):
 
 @dataclass
 class Tools:
-    """Environment tools an orchestra may use (the search task's retriever)."""
+    """Environment tools an orchestra may use, built by its task (``Task.tools``): the
+    search task's retriever."""
 
     retriever: Any = None
 
@@ -113,7 +117,7 @@ class MathOrchestra:
             episode.done = True
 
     def reward(self, episode: Episode) -> float:
-        return math_reward(episode.final_answer, episode.question)
+        return get_task("math").reward(episode.final_answer, episode.question)
 
 
 class SoloOrchestra:
@@ -134,7 +138,7 @@ class SoloOrchestra:
             episode.final_answer, episode.done = solution.text, True
 
     def reward(self, episode: Episode) -> float:
-        return math_reward(episode.final_answer, episode.question)
+        return get_task("math").reward(episode.final_answer, episode.question)
 
 
 class SearchOrchestra:
@@ -186,6 +190,4 @@ class SearchOrchestra:
             episode.done = True
 
     def reward(self, episode: Episode) -> float:
-        from drmas.tasks.search import exact_match  # noqa: PLC0415
-
-        return exact_match(episode.final_answer, episode.question.answers)
+        return get_task("search").reward(episode.final_answer, episode.question)
