@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -49,6 +49,7 @@ class DataError(ValueError):
     """Bad input data; the message names the file, and the row or column, and the problem."""
 
 
+@runtime_checkable
 class Task(Protocol):
     """One task. Instantiated once, without arguments: it holds no state of its own."""
 
