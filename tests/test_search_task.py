@@ -249,7 +249,7 @@ def test_load_corpus_skips_blank_lines_and_keeps_line_numbers(tmp_path):
             "keys: body, id)",
         ),
         (b'{"text": "   "}\n', "line 1: no passage text"),
-        (b'{"text": "a"}\n{"text": "caf\xe9"}\n', "line 2: not UTF-8"),
+        (b'{"text": "a"}\n{"text": "caf\xe9"}\n', "not UTF-8 text (bad byte at offset 27) on line 2"),
         (
             b'{"id": "a", "text": "x"}\n{"text": "y"}\n{"id": "a", "text": "z"}\n',
             "line 3: duplicate id 'a' (first on line 1)",

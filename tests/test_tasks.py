@@ -162,8 +162,9 @@ BAD_FILES = [
     ("qa.json", b"[]", "no rows"),
     ("qa.parquet", pa.table({"question": pa.array([], pa.string())}), "no rows"),
     ("qa.parquet", b"not parquet", "not a readable Parquet file ("),
-    ("qa.jsonl", _jsonl_bytes(ROWS[:1]) + b'{"question": "caf\xe9"}\n', "line 2: not UTF-8 text (invalid continuation byte)"),
-    ("qa.json", b'[{"question": "a", "answer": "1"},\n{"question": "caf\xe9"}]', "line 2: not UTF-8 text (invalid continuation byte)"),
+    ("qa.jsonl", b'{"question": "caf\xe9"}\n', "not UTF-8 text (bad byte at offset 17) on line 1"),
+    ("qa.jsonl", b'\xef\xbb\xbf{"question": "a"}\r\n{"question": "caf\xe9"}\n', "not UTF-8 text (bad byte at offset 39) on line 2"),
+    ("qa.json", b'[{"question": "a", "answer": "1"},\n{"question": "caf\xe9"}]', "not UTF-8 text (bad byte at offset 52) on line 2"),
     ("qa.jsonl", _jsonl_bytes(ROWS[:1]) + b'{"question": \n', "line 2: invalid JSON (Expecting value)"),
     ("qa.json", b'[\n{"question": "a",\n', "line 3: invalid JSON (Expecting property name enclosed in double quotes)"),
     ("qa.jsonl", b'["question"]\n', "line 1: expected a JSON object, got list"),
@@ -174,7 +175,7 @@ BAD_FILES = [
     ("qa.jsonl", _jsonl_bytes([{"question": 5, "answer": "2"}]), "row 0 (line 1): empty or missing question ('question': int 5, not text)"),
     ("qa.json", [ROWS[0], {"question": "b"}], "row 1: missing or empty answer ('answer')"),
     ("qa.parquet", pa.table({"question": ["a?", None], "answer": ["x", "y"]}), "row 1: empty or missing question ('question')"),
-    ("qa.jsonl", _jsonl_bytes([ROWS[0], ROWS[1], ROWS[0]]), "row 2 (line 3): duplicate id 'a' (first at row 0 (line 1))"),
+    ("qa.jsonl", _jsonl_bytes([ROWS[0], ROWS[1], ROWS[0]]), "duplicated id 'a' (row 0 (line 1) and row 2 (line 3))"),
 ]
 
 

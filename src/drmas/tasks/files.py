@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 __all__ = ["field_value", "local_file", "read_jsonl", "read_questions", "read_rows"]
 
 FILE_TYPES = (".jsonl", ".json", ".parquet")
+BOM = b"\xef\xbb\xbf"
+"""A UTF-8 byte-order mark, which some editors write first: skipped."""
 MISSING = object()
 """What ``field_value`` returns for an absent or null field."""
 
@@ -49,12 +51,12 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def _json_lines(path: Path, lines: Iterable[bytes]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Parse JSON Lines; a byte-order mark before the first line is ignored."""
+    """Parse JSON Lines (each line with its line ending); a byte-order mark is ignored."""
+    offset = 0
     for number, raw in enumerate(lines, start=1):
-        try:
-            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-        except UnicodeDecodeError as error:
-            raise DataError(f"{path}: line {number}: not UTF-8 text ({error.reason})") from None
+        body = raw.removeprefix(BOM) if number == 1 else raw
+        line = _text(path, body, offset + len(raw) - len(body), number)
+        offset += len(raw)
         if not line.strip():
             continue
         try:
@@ -66,16 +68,24 @@ def _json_lines(path: Path, lines: Iterable[bytes]) -> Iterator[tuple[int, dict[
         yield number, row
 
 
+def _text(path: Path, data: bytes, offset: int, line: int) -> str:
+    """``data``, which starts at byte ``offset`` of the file, on line ``line``, as text."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        bad_line = line + data[: error.start].count(b"\n")
+        raise DataError(f"{path}: not UTF-8 text (bad byte at offset {offset + error.start}) on line {bad_line}") from None
+
+
 def _json_file(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """A ``.json`` file: a JSON list of objects when it starts with ``[``, else JSON Lines."""
     data = path.read_bytes()
-    if not data.removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"["):
-        return [(f"row {index} (line {number})", row) for index, (number, row) in enumerate(_json_lines(path, data.splitlines()))]
+    body = data.removeprefix(BOM)
+    if not body.lstrip().startswith(b"["):
+        rows = _json_lines(path, data.splitlines(keepends=True))
+        return [(f"row {index} (line {number})", row) for index, (number, row) in enumerate(rows)]
     try:
-        rows = json.loads(data.decode("utf-8-sig"))
-    except UnicodeDecodeError as error:
-        line = data[: error.start].count(b"\n") + 1
-        raise DataError(f"{path}: line {line}: not UTF-8 text ({error.reason})") from None
+        rows = json.loads(_text(path, body, len(data) - len(body), 1))
     except json.JSONDecodeError as error:
         raise DataError(f"{path}: line {error.lineno}: invalid JSON ({error.msg})") from None
     for index, row in enumerate(rows):
@@ -174,7 +184,7 @@ def read_questions(spec: str, data: DataConfig, gold_answers: Callable[[Any], tu
             raise DataError(f"{path}: {label}: missing or empty answer ({data.answer_field!r})")
         qid = str(index) if row.get("id") is None else str(row["id"])
         if qid in first_label:
-            raise DataError(f"{path}: {label}: duplicate id {qid!r} (first at {first_label[qid]})")
+            raise DataError(f"{path}: duplicated id {qid!r} ({first_label[qid]} and {label})")
         first_label[qid] = label
         source = _data_source(field_value(row, data.data_source_field), path.stem)
         questions.append(Question(qid, question, answers, source))
