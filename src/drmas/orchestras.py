@@ -31,8 +31,7 @@ docs/tasks.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from drmas.agents import (
     Agent,
@@ -46,7 +45,7 @@ from drmas.agents import (
 )
 from drmas.config import TaskConfig
 from drmas.episodes import Episode
-from drmas.tasks import get_task
+from drmas.tasks import Tools, get_task
 
 __all__ = ["MathOrchestra", "Orchestra", "SearchOrchestra", "SoloOrchestra", "Team", "Tools"]
 
@@ -56,14 +55,6 @@ class Team(Protocol):
 
     def call(self, agent: str, episodes: list[Episode], step: int) -> list[Parsed]:
         """Call ``agent`` once for each episode, as one batched generate; record the calls."""
-
-
-@dataclass
-class Tools:
-    """Environment tools an orchestra may use, built by its task (``Task.tools``): the
-    search task's retriever."""
-
-    retriever: Any = None
 
 
 class Orchestra(Protocol):

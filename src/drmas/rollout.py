@@ -22,12 +22,11 @@ import numpy as np
 from drmas.agents import Parsed
 from drmas.config import DrmasConfig, SamplingConfig
 from drmas.episodes import Call, Episode, episodes_to_table
-from drmas.orchestras import Tools
 from drmas.registry import load_orchestra
 from drmas.schema import TRAJECTORY_SCHEMA
 from drmas.layout import StageResult, stage_path
 from drmas.store import Store
-from drmas.tasks import Question, Split, task_for
+from drmas.tasks import Question, Split, Tools, task_for
 from drmas.workers import GenerationResult, PolicyRef
 
 __all__ = ["GeneratePool", "TeamOnPool", "agent_call_metrics", "draw_questions", "rollout", "task_questions", "task_tools"]

@@ -16,16 +16,15 @@ from __future__ import annotations
 import functools
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
 
     from drmas.config import DrmasConfig
-    from drmas.orchestras import Tools
     from drmas.store import Store
 
-__all__ = ["BUILTIN_TASKS", "DataError", "Demonstrations", "Question", "Split", "Task", "get_task", "task_for"]
+__all__ = ["BUILTIN_TASKS", "DataError", "Demonstrations", "Question", "Split", "Task", "Tools", "get_task", "task_for"]
 
 Split = Literal["train", "eval"]
 Demonstrations = dict[str, list[tuple[str, str]]]
@@ -47,6 +46,14 @@ class Question:
 
 class DataError(ValueError):
     """Bad input data; the message names the file, and the row or column, and the problem."""
+
+
+@dataclass
+class Tools:
+    """Environment tools that a task builds (``Task.tools``) and its orchestras use: the
+    search task's retriever."""
+
+    retriever: Any = None
 
 
 @runtime_checkable

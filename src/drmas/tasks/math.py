@@ -25,8 +25,7 @@ import numpy as np
 
 from drmas.agents import MathVerifierAgent, SolverAgent, extract_boxed, verifier_context
 from drmas.episodes import Episode
-from drmas.orchestras import Tools
-from drmas.tasks import DataError, Demonstrations, Question, Split
+from drmas.tasks import DataError, Demonstrations, Question, Split, Tools
 from drmas.tasks.files import read_questions
 
 if TYPE_CHECKING:

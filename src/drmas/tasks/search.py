@@ -36,9 +36,8 @@ from bm25s.stopwords import STOPWORDS_EN
 
 from drmas.agents import AnswerAgent, RouterAgent, SearchAgent, verifier_context
 from drmas.episodes import Episode
-from drmas.orchestras import Tools
 from drmas.store import Artifact, ArtifactExists, ArtifactWriter, CorruptArtifact, Store
-from drmas.tasks import DataError, Demonstrations, Question, Split
+from drmas.tasks import DataError, Demonstrations, Question, Split, Tools
 from drmas.tasks.files import local_file, read_jsonl, read_questions
 
 if TYPE_CHECKING:
