@@ -134,7 +134,8 @@ def extract_boxed(text: str) -> str | None:
 
     Only the text after the last ``</think>`` counts: reasoning drafts are not answers. The
     last box decides even when it is unclosed (None): a response cut off while writing its
-    answer gets no credit for an earlier draft, as in the reference.
+    answer gets no credit for an earlier draft, as in the reference. It lives with the
+    parsers because the Solver's parser and the math task's reward must read the same box.
     """
     tail = text.rpartition("</think>")[2]
     boxes = list(_BOX.finditer(tail))

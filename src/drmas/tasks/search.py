@@ -13,7 +13,8 @@ list removed and no stemming. An index is built once per corpus and cached in th
 store under ``_cache/bm25/{corpus_hash}``; loading it never unpickles anything.
 
 The reward is Search-R1's exact match: SQuAD normalisation, then equality with any gold
-answer.
+answer. The warm start's demonstrations play each generated question out against the real
+retriever, one hop's query at a time (``SearchTask.demonstrations``).
 """
 
 from __future__ import annotations
