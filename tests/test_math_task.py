@@ -12,11 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from drmas.team.agents import extract_boxed
 from drmas.config import DataConfig
 from drmas.tasks import DataError, Question
 from drmas.tasks.math import (
     answers_match,
-    extract_boxed,
     generate_arithmetic,
     load_math_questions,
     math_reward,
@@ -447,7 +447,7 @@ def test_blank_jsonl_lines_are_skipped_and_ids_are_kept(tmp_path):
 
 
 # --------------------------------------------------------------------------------------
-# load_math_questions: errors
+# load_math_questions: errors (the file reader's own: tests/test_tasks.py)
 # --------------------------------------------------------------------------------------
 
 
@@ -457,103 +457,8 @@ def _error(spec: str, data: DataConfig | None = None) -> str:
     return str(error.value)
 
 
-def test_missing_file(tmp_path):
-    spec = str(tmp_path / "nope.jsonl")
-    assert _error(spec) == f"{spec}: file not found"
-
-
-def test_unsupported_extension(tmp_path):
-    path = tmp_path / "data.csv"
-    path.write_text("question,answer\n")
-    expected = f"{path}: unsupported file type '.csv'; use one of .jsonl, .json, .parquet"
-    assert _error(str(path)) == expected
-
-
-def test_remote_paths_are_refused_for_now():
-    assert "only local files" in _error("s3://bucket/math.parquet")
-
-
-@pytest.mark.parametrize("name", ["empty.jsonl", "empty.json", "empty.parquet", "blank.jsonl"])
-def test_empty_files(tmp_path, name):
-    path = tmp_path / name
-    if name.endswith(".parquet"):
-        pq.write_table(pa.table({"question": pa.array([], pa.string())}), path)
-    else:
-        path.write_text({"empty.jsonl": "", "empty.json": "[]", "blank.jsonl": "\n  \n"}[name])
-    assert _error(str(path)) == f"{path}: no rows"
-
-
-def test_missing_question_column_lists_the_columns(tmp_path):
-    spec = _jsonl(tmp_path / "m.jsonl", [{"problem": "p", "solution": r"\boxed{1}"}])
-    message = _error(spec, DataConfig(answer_field="solution"))
-    assert message == (
-        f"{spec}: no question column 'question' (set data.question_field); "
-        "columns: problem, solution"
-    )
-
-
-def test_missing_answer_column_lists_the_columns(tmp_path):
-    spec = _jsonl(tmp_path / "m.jsonl", [{"question": "q", "reward_model": {"style": "rule"}}])
-    message = _error(spec, DataConfig(answer_field="reward_model.ground_truth"))
-    assert "no answer column 'reward_model.ground_truth'" in message
-    assert message.endswith("columns: question, reward_model")
-
-
-def test_row_with_an_empty_question(tmp_path):
-    rows = [{"question": "a", "answer": "1"}, {"question": "  ", "answer": "2"}]
-    spec = _jsonl(tmp_path / "q.jsonl", rows)
-    assert _error(spec) == f"{spec}: row 1 (line 2): empty or missing question ('question')"
-
-
-def test_row_with_a_missing_answer(tmp_path):
-    path = tmp_path / "a.json"
-    rows = [{"question": "a", "answer": "1"}, {"question": "b"}, {"question": "c", "answer": "3"}]
-    path.write_text(json.dumps(rows))
-    assert _error(str(path)) == f"{path}: row 1: missing or empty answer ('answer')"
-
-
 @pytest.mark.parametrize("answer", ["", [], ["1", ""], None, {"style": "rule"}, True])
 def test_row_with_an_empty_answer(tmp_path, answer):
     rows = [{"question": "a", "answer": "1"}, {"question": "b", "answer": answer}]
     spec = _jsonl(tmp_path / "a.jsonl", rows)
     assert _error(spec) == f"{spec}: row 1 (line 2): missing or empty answer ('answer')"
-
-
-def test_non_utf8_file(tmp_path):
-    path = tmp_path / "latin1.jsonl"
-    path.write_bytes('{"question": "caf\u00e9", "answer": "1"}\n'.encode("latin-1"))
-    assert _error(str(path)) == f"{path}: not UTF-8 text (bad byte at offset 17)"
-
-
-def test_invalid_json_line(tmp_path):
-    path = tmp_path / "bad.jsonl"
-    path.write_text('{"question": "a", "answer": "1"}\n{"question": "b", "answer": \n')
-    assert _error(str(path)).startswith(f"{path}: line 2: invalid JSON (")
-
-
-def test_invalid_json_file_and_wrong_shape(tmp_path):
-    path = tmp_path / "bad.json"
-    path.write_text('[\n{"question": "a",\n')
-    assert _error(str(path)).startswith(f"{path}: line 3: invalid JSON (")
-    path.write_text('{"question": "a", "answer": "1"}')
-    assert _error(str(path)) == f"{path}: expected a JSON list of objects, got dict"
-    path.write_text('[{"question": "a", "answer": "1"}, 5]')
-    assert _error(str(path)) == f"{path}: row 1: expected an object, got int"
-
-
-def test_unreadable_parquet(tmp_path):
-    path = tmp_path / "broken.parquet"
-    path.write_bytes(b"not parquet at all")
-    assert _error(str(path)).startswith(f"{path}: not a readable Parquet file")
-
-
-def test_duplicated_ids(tmp_path):
-    spec = _jsonl(
-        tmp_path / "dup.jsonl",
-        [
-            {"id": "a", "question": "x", "answer": "1"},
-            {"id": "b", "question": "y", "answer": "2"},
-            {"id": "a", "question": "z", "answer": "3"},
-        ],
-    )
-    assert _error(spec) == f"{spec}: duplicated id 'a' (row 0 (line 1) and row 2 (line 3))"

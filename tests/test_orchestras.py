@@ -15,7 +15,9 @@ import pytest
 from drmas.team.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent, find_tag
 from drmas.config import load_config
 from drmas.team.episodes import Episode
-from drmas.team.orchestras import MathOrchestra, SearchOrchestra, Tools
+from drmas.tasks.math import MathOrchestra
+from drmas.tasks.search import SearchOrchestra
+from drmas.team.orchestras import Tools
 from drmas.stages.rollout import build_team, draw_questions, play
 from drmas.tasks import Question
 from drmas.tasks.search import Passage, Retriever

@@ -8,11 +8,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from drmas.team.agents import extract_boxed
 from drmas.config import load_config
 from drmas.tasks import Question
-from drmas.tasks.math import answers_match, extract_boxed, generate_arithmetic
-from drmas.tasks.search import Retriever, demonstration_queries, exact_match, generated_facts
-from drmas.stages.warmstart import column_working, math_demonstrations, search_demonstrations
+from drmas.tasks.math import answers_match, column_working, generate_arithmetic, math_demonstrations
+from drmas.tasks.search import (
+    Retriever,
+    demonstration_queries,
+    exact_match,
+    generated_facts,
+    search_demonstrations,
+)
 
 ROOT = Path(__file__).parent.parent
 

@@ -203,10 +203,9 @@ def _check_inputs(config: DrmasConfig) -> None:
 
     for split in ("train", "eval"):
         task_questions(config, split)
-    if config.task.name == "search":
-        from drmas.tasks.search import corpus_for  # noqa: PLC0415
+    from drmas.registry import task_for  # noqa: PLC0415
 
-        corpus_for(config.data, config.experiment.seed)
+    task_for(config).corpus(config)
 
 
 def _load(args: argparse.Namespace, logs: bool = True) -> DrmasConfig:

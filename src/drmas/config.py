@@ -25,7 +25,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from drmas.team.registry import orchestra_agents
+from drmas.registry import get_task, orchestra_agents
 
 __all__ = [
     "AgentConfig",
@@ -79,8 +79,9 @@ class ExperimentConfig(Section):
 
 
 class TaskConfig(Section):
-    name: Literal["math", "search"] = "math"
-    """The task: its data loader, reward and default orchestra."""
+    name: str = "math"
+    """The task: its questions, tools, reward and default orchestra. A built-in name (math,
+    search) or an import path 'package.module:ClassName' to a drmas.tasks.Task (docs/tasks.md)."""
     orchestra: str | None = None
     """Orchestra driving the agents: a built-in name (math, search) or an import path
     'package.module:ClassName'. Unset: the task's own orchestra."""
@@ -97,9 +98,15 @@ class TaskConfig(Section):
     information, answer now' (search), as the reference code does; False makes it reject /
     search again."""
 
+    @field_validator("name")
+    @classmethod
+    def _known_task(cls, name: str) -> str:
+        get_task(name)  # a ValueError that lists the built-in names
+        return name
+
     @property
     def orchestra_name(self) -> str:
-        return self.orchestra or self.name
+        return self.orchestra or get_task(self.name).default_orchestra
 
 
 class DataConfig(Section):
@@ -121,10 +128,6 @@ class DataConfig(Section):
     """Questions in a generated training set."""
     generated_eval_size: int = Field(200, ge=1)
     """Questions in a generated eval set."""
-
-
-GENERATED_DATA = {"math": "generated:arithmetic", "search": "generated:facts"}
-"""The set each task uses when ``data.train`` / ``data.eval`` are unset."""
 
 
 TemplateVariables = dict[str, bool | int | float | str]
@@ -622,7 +625,7 @@ class DrmasConfig(Section):
     def data_spec(self, split: Literal["train", "eval"]) -> str:
         """Where the ``split`` questions come from: the configured file or generated set."""
         spec = self.data.train if split == "train" else self.data.eval
-        return spec or GENERATED_DATA[self.task.name]
+        return spec or get_task(self.task.name).default_data
 
     def agent_sampling(self, agent_name: str) -> SamplingConfig:
         """The rollout sampling of one agent: rollout.sampling with its overrides."""

@@ -18,9 +18,10 @@ from pathlib import Path
 from drmas.config import DrmasConfig, WorkerGroup
 from drmas.team.episodes import Episode
 from drmas.models import build_scratch_policy, chat_turn, load_model, load_tokenizer
-from drmas.team.registry import load_orchestra
+from drmas.registry import load_orchestra
 from drmas.infra.layout import init_policy_path
 from drmas.infra.store import Store
+from drmas.registry import task_for
 from drmas.generation.workers import PolicyRef
 
 __all__ = ["init_policies", "tokenizer_corpus"]
@@ -80,10 +81,9 @@ def _materialise(group: WorkerGroup, texts: list[str], out_dir: Path, config: Dr
 def tokenizer_corpus(config: DrmasConfig, limit: int = 2000) -> list[str]:
     """Text a scratch tokenizer should cover: questions, answers and every agent's prompts,
     the prompts in their chat turns (so that the role words become one token each, not
-    seventeen single characters in every prompt)."""
-    from drmas.stages.rollout import task_questions  # noqa: PLC0415
-
-    questions = (task_questions(config, "train") + task_questions(config, "eval"))[:limit]
+    seventeen single characters in every prompt), then the task's own corpus."""
+    task = task_for(config)
+    questions = (task.questions(config, "train") + task.questions(config, "eval"))[:limit]
     orchestra = load_orchestra(config.task.orchestra_name)
     agents = {name: cls() for name, cls in orchestra.agents.items()}
     texts = list(AGENT_TAGS)
@@ -92,8 +92,4 @@ def tokenizer_corpus(config: DrmasConfig, limit: int = 2000) -> list[str]:
         episode.team_context = [f"{name.title()}: " for name in agents]
         texts += [chat_turn(agent.prompt(episode, 1)) for agent in agents.values()]
         texts += [question.question, *question.answers]
-    if config.task.name == "search":
-        from drmas.tasks.search import corpus_for  # noqa: PLC0415
-
-        texts += [passage.text for passage in corpus_for(config.data, config.experiment.seed)[:limit]]
-    return texts
+    return texts + task.corpus(config)[:limit]

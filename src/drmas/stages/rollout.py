@@ -22,12 +22,12 @@ import numpy as np
 from drmas.team.agents import Parsed
 from drmas.config import DrmasConfig, SamplingConfig
 from drmas.team.episodes import Call, Episode, episodes_to_table
-from drmas.team.orchestras import Tools
-from drmas.team.registry import load_orchestra
+from drmas.registry import load_orchestra
 from drmas.infra.schema import TRAJECTORY_SCHEMA
 from drmas.infra.layout import StageResult, stage_path
 from drmas.infra.store import Store
-from drmas.tasks import Question
+from drmas.tasks import Question, Split, Tools
+from drmas.registry import task_for
 from drmas.generation.workers import GenerationResult, PolicyRef
 
 __all__ = ["GeneratePool", "TeamOnPool", "agent_call_metrics", "draw_questions", "rollout", "task_questions", "task_tools"]
@@ -84,25 +84,14 @@ class TeamOnPool:
         return parsed
 
 
-def task_questions(config: DrmasConfig, split: str) -> list[Question]:
+def task_questions(config: DrmasConfig, split: Split) -> list[Question]:
     """The task's questions for ``split`` ('train' or 'eval')."""
-    spec = config.data_spec(split)
-    if config.task.name == "math":
-        from drmas.tasks.math import load_math_questions  # noqa: PLC0415
-
-        return load_math_questions(spec, split, config.data, config.experiment.seed)
-    from drmas.tasks.search import load_qa  # noqa: PLC0415
-
-    return load_qa(spec, split, config.data, config.experiment.seed)
+    return task_for(config).questions(config, split)
 
 
 def task_tools(config: DrmasConfig, store: Store) -> Tools:
-    """The environment tools of the task: a BM25 retriever (cached in the store) for search."""
-    if config.task.name != "search":
-        return Tools()
-    from drmas.tasks.search import cached_retriever, corpus_for  # noqa: PLC0415
-
-    return Tools(retriever=cached_retriever(corpus_for(config.data, config.experiment.seed), store))
+    """The task's environment tools (search: a BM25 retriever, cached in the store)."""
+    return task_for(config).tools(config, store)
 
 
 def draw_questions(questions: list[Question], count: int, iteration: int, seed: int) -> list[Question]:

@@ -1,4 +1,5 @@
-"""The math task: its questions (files or a generated arithmetic set) and its reward.
+"""The math task: its questions (files or a generated arithmetic set), its reward, and the
+warm start's demonstrations of the Solver and the Verifier.
 
 The reward follows the reference (DeepScaleR/rLLM grader as used by Dr. MAS): the final
 answer is the content of the last ``\\boxed{}`` after any ``</think>``, and it is correct when
@@ -9,92 +10,31 @@ no sympify), and every check is linear in the input, so a hostile or huge answer
 nothing. So ``0.5 == \\frac{1}{2} == 1/2`` and ``85 == 85.0``, but equivalent symbolic
 forms (``2\\sqrt{2}`` vs ``\\sqrt{8}``) only match when their normalised text is equal.
 
-Data files: JSONL, JSON (a list of objects) or Parquet, with the question and answer columns
-named in ``DataConfig``; GSM8K, MATH/MATH-500 and DAPO rows load as published.
+Data files: JSONL, JSON or Parquet (read by ``drmas.tasks.files``), with the question and
+answer columns named in ``DataConfig``; GSM8K, MATH/MATH-500 and DAPO rows load as published.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from fractions import Fraction
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
-from drmas.tasks import DataError, Question
+from drmas.config import TaskConfig
+from drmas.team.agents import MathVerifierAgent, SolverAgent, extract_boxed, verifier_context
+from drmas.team.episodes import Episode
+from drmas.team.orchestras import Team, verdict_passes
+from drmas.tasks import DataError, Demonstrations, Question, Split, Tools
+from drmas.tasks.files import read_questions
 
 if TYPE_CHECKING:
-    from drmas.config import DataConfig
+    from drmas.config import DataConfig, DrmasConfig
+    from drmas.infra.store import Store
 
-__all__ = [
-    "answers_match",
-    "extract_boxed",
-    "generate_arithmetic",
-    "load_math_questions",
-    "math_reward",
-    "normalize_answer",
-]
-
-# --------------------------------------------------------------------------------------
-# Answer extraction
-# --------------------------------------------------------------------------------------
-
-_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
-_BARE_TOKEN = re.compile(r"[^\s${}]+")
-"""``\\boxed 5``: the argument is the run of text up to a space, a ``$`` or a brace."""
-
-
-def _closing_brace(text: str, open_at: int) -> int | None:
-    """Index of the ``}`` that closes the ``{`` at ``open_at``, or None if it never closes.
-
-    A backslash escapes the next character, so ``\\{`` and ``\\}`` (set braces) are content,
-    not grouping.
-    """
-    depth = 0
-    i = open_at
-    while i < len(text):
-        char = text[i]
-        if char == "\\":
-            i += 2
-            continue
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-    return None
-
-
-def _box_argument(text: str, start: int) -> str | None:
-    """The argument of a box command whose name ends at ``start``."""
-    i = start
-    while i < len(text) and text[i].isspace():
-        i += 1
-    if i < len(text) and text[i] == "{":
-        close = _closing_brace(text, i)
-        return None if close is None else text[i + 1 : close]
-    token = _BARE_TOKEN.match(text, i)
-    return token.group() if token else None
-
-
-def extract_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``, ``\\boxed 5``), or None.
-
-    Only the text after the last ``</think>`` counts: reasoning drafts are not answers. The
-    last box decides even when it is unclosed (None): a response cut off while writing its
-    answer gets no credit for an earlier draft, as in the reference.
-    """
-    tail = text.rpartition("</think>")[2]
-    boxes = list(_BOX.finditer(tail))
-    return _box_argument(tail, boxes[-1].end()) if boxes else None
-
+__all__ = ["MathOrchestra", "MathTask", "SoloOrchestra", "answers_match", "column_working", "generate_arithmetic", "load_math_questions", "math_demonstrations", "math_reward", "normalize_answer"]
 
 # --------------------------------------------------------------------------------------
 # Normalisation and equivalence
@@ -352,98 +292,6 @@ def generate_arithmetic(
 
 GENERATED_SETS = ("arithmetic",)
 _GSM8K_MARK = "####"
-_MISSING = object()
-
-
-def _decode(path: Path) -> str:
-    try:
-        return path.read_bytes().decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        raise DataError(f"{path}: not UTF-8 text (bad byte at offset {error.start})") from None
-
-
-def _read_jsonl(path: Path) -> tuple[list[Any], list[str]]:
-    """Rows and their labels (``row 0 (line 1)``); blank lines are skipped."""
-    rows, labels = [], []
-    for number, line in enumerate(_decode(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as error:
-            raise DataError(f"{path}: line {number}: invalid JSON ({error.msg})") from None
-        labels.append(f"row {len(labels)} (line {number})")
-    return rows, labels
-
-
-def _read_json(path: Path) -> tuple[list[Any], list[str]]:
-    try:
-        rows = json.loads(_decode(path))
-    except json.JSONDecodeError as error:
-        raise DataError(f"{path}: line {error.lineno}: invalid JSON ({error.msg})") from None
-    if not isinstance(rows, list):
-        raise DataError(f"{path}: expected a JSON list of objects, got {type(rows).__name__}")
-    return rows, [f"row {i}" for i in range(len(rows))]
-
-
-def _read_parquet(path: Path) -> tuple[list[Any], list[str]]:
-    try:
-        rows = pq.read_table(path).to_pylist()
-    except (pa.ArrowException, OSError) as error:
-        raise DataError(f"{path}: not a readable Parquet file ({error})") from None
-    return rows, [f"row {i}" for i in range(len(rows))]
-
-
-_READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
-
-
-def _read_rows(spec: str) -> tuple[Path, list[dict[str, Any]], list[str]]:
-    """The file's rows (each a dict) with a label per row for messages."""
-    if "://" in spec:
-        raise DataError(f"{spec}: only local files are supported for math data for now")
-    path = Path(spec)
-    suffix = path.suffix.lower()
-    if suffix not in _READERS:
-        raise DataError(
-            f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(_READERS)}"
-        )
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
-    rows, labels = _READERS[suffix](path)
-    if not rows:
-        raise DataError(f"{path}: no rows")
-    for row, label in zip(rows, labels):
-        if not isinstance(row, dict):
-            raise DataError(f"{path}: {label}: expected an object, got {type(row).__name__}")
-    return path, rows, labels
-
-
-def _lookup(row: dict[str, Any], field: str) -> Any:
-    """The value at a dotted field (``reward_model.ground_truth``), or _MISSING."""
-    value: Any = row
-    for key in field.split("."):
-        if not isinstance(value, dict) or value.get(key) is None:
-            return _MISSING
-        value = value[key]
-    return value
-
-
-def _require_column(path: Path, rows: list[dict[str, Any]], field: str, role: str) -> None:
-    """Fail once for a column no row has, rather than once per row."""
-    if all(_lookup(row, field) is _MISSING for row in rows):
-        columns = sorted({key for row in rows for key in row})
-        raise DataError(
-            f"{path}: no {role} column {field!r} (set data.{role}_field); "
-            f"columns: {', '.join(columns)}"
-        )
-
-
-def _question_text(value: Any) -> str:
-    """The question: a string, or the last user message of a chat (DAPO's ``prompt``)."""
-    if isinstance(value, list):
-        users = [m.get("content") for m in value if isinstance(m, dict) and m.get("role") == "user"]
-        value = users[-1] if users else None
-    return value.strip() if isinstance(value, str) else ""
 
 
 def _gold_answer(value: Any) -> str:
@@ -470,54 +318,6 @@ def _gold_answers(value: Any) -> tuple[str, ...]:
     return answers if answers and all(answers) else ()
 
 
-def _row_question(
-    row: dict[str, Any], index: int, label: str, path: Path, data: DataConfig
-) -> Question:
-    raw_question = _lookup(row, data.question_field)
-    question = _question_text(raw_question)
-    if not question:
-        raise DataError(f"{path}: {label}: empty or missing question ({data.question_field!r}{_not_text(raw_question)})")
-    answers = _gold_answers(_lookup(row, data.answer_field))
-    if not answers:
-        raise DataError(f"{path}: {label}: missing or empty answer ({data.answer_field!r})")
-    source = _lookup(row, data.data_source_field)
-    qid = row.get("id")
-    return Question(
-        qid=str(index) if qid is None else str(qid),
-        question=question,
-        answers=answers,
-        data_source=source if isinstance(source, str) and source else path.stem,
-    )
-
-
-def _not_text(value: Any) -> str:
-    """``: a number, not text`` for a question of the wrong type (the type and a short
-    repr), so that the message does not call a present value missing; else nothing."""
-    if value is _MISSING or isinstance(value, (str, list)):
-        return ""
-    shown = repr(value)
-    return f": {type(value).__name__} {shown if len(shown) <= 40 else shown[:37] + '...'}, not text"
-
-
-def _load_file(spec: str, data: DataConfig) -> list[Question]:
-    path, rows, labels = _read_rows(spec)
-    _require_column(path, rows, data.question_field, "question")
-    _require_column(path, rows, data.answer_field, "answer")
-    questions = [
-        _row_question(row, index, label, path, data)
-        for index, (row, label) in enumerate(zip(rows, labels))
-    ]
-    first_row_of: dict[str, int] = {}
-    for index, question in enumerate(questions):
-        if question.qid in first_row_of:
-            raise DataError(
-                f"{path}: duplicated id {question.qid!r} ({labels[first_row_of[question.qid]]} "
-                f"and {labels[index]})"
-            )
-        first_row_of[question.qid] = index
-    return questions
-
-
 def load_math_questions(
     spec: str, split: Literal["train", "eval"], data: DataConfig, seed: int
 ) -> list[Question]:
@@ -532,9 +332,162 @@ def load_math_questions(
     """
     name = spec.removeprefix("generated:")
     if name == spec:
-        return _load_file(spec, data)
+        return read_questions(spec, data, _gold_answers)
     if name not in GENERATED_SETS:
         known = ", ".join(GENERATED_SETS)
         raise DataError(f"{spec}: unknown generated set {name!r}; known: {known}")
     size = data.generated_train_size if split == "train" else data.generated_eval_size
     return generate_arithmetic(size, split, seed)
+
+
+# --------------------------------------------------------------------------------------
+# Warm-start demonstrations
+# --------------------------------------------------------------------------------------
+
+ARITHMETIC = re.compile(r"^What is (\d+) ([+-]) (\d+)\?$")
+
+
+def column_working(a: int, op: str, b: int) -> str:
+    """Digit-by-digit working, right to left, one step per column, then the boxed result.
+
+    37 + 48 -> "7+8=15, 3+4+1=8. \\boxed{85}";  52 - 17 -> "12-7=5, 5-1-1=3. \\boxed{35}".
+    """
+    steps, carry = [], 0
+    top, bottom = str(a)[::-1], str(b)[::-1]
+    for column in range(len(top)):
+        x = int(top[column])
+        y = int(bottom[column]) if column < len(bottom) else 0
+        if op == "+":
+            total = x + y + carry
+            steps.append(f"{x}+{y}" + (f"+{carry}" if carry else "") + f"={total}")
+            carry = total // 10
+        else:
+            borrow_in = carry
+            take = x - y - borrow_in
+            carry = int(take < 0)
+            x_shown = x + 10 * carry
+            steps.append(f"{x_shown}-{y}" + (f"-{borrow_in}" if borrow_in else "") + f"={x_shown - y - borrow_in}")
+    if op == "+" and carry:
+        steps.append(f"carry {carry}")
+    result = a + b if op == "+" else a - b
+    return f"{', '.join(steps)}. \\boxed{{{result}}}"
+
+
+def math_demonstrations(questions: list[Question], config: DrmasConfig, rng: np.random.Generator) -> Demonstrations:
+    """(prompt, response) pairs per agent: first solves, verdicts, and second solves.
+
+    The Solver writes its working digit by digit and boxes the answer (computed, never
+    sampled); ``warmstart.wrong_fraction`` of the first attempts box a wrong number, and
+    ``warmstart.verdict_noise`` of the Verifier's verdicts are wrong.
+    """
+    solver, verifier = SolverAgent(), MathVerifierAgent()
+    warm = config.warmstart
+    demos: Demonstrations = {"solver": [], "verifier": []}
+    for question in questions:
+        match = ARITHMETIC.match(question.question)
+        if match is None:
+            raise DataError(f"warm start: no demonstration for {question.question!r} (only generated:arithmetic has them)")
+        a, op, b = int(match.group(1)), match.group(2), int(match.group(3))
+        right = column_working(a, op, b)
+        wrong_value = (a + b if op == "+" else a - b) + int(rng.choice([-10, -1, 1, 10]))
+        attempt = right if rng.random() >= warm.wrong_fraction else right.rsplit("\\boxed", 1)[0] + f"\\boxed{{{wrong_value}}}"
+        episode = Episode("u", "t", 0, question)
+        demos["solver"].append((solver.prompt(episode, 1), attempt))
+        episode.team_context.append(f"Solver: {attempt}")
+        correct = attempt == right
+        verdict_right = rng.random() >= warm.verdict_noise
+        approve = correct if verdict_right else not correct
+        response = f"<verify>{'approve' if approve else 'reject'}</verify>"
+        demos["verifier"].append((verifier.prompt(episode, 1), response))
+        if not approve:  # the second attempt, after a rejection, is right
+            episode.team_context.append(verifier_context(response))
+            demos["solver"].append((solver.prompt(episode, 1), right))
+    return demos
+
+
+# --------------------------------------------------------------------------------------
+# The task
+# --------------------------------------------------------------------------------------
+
+
+class MathTask:
+    """Math problems, no tools, reward 1/0 by the safe answer checker."""
+
+    default_data = "generated:arithmetic"
+    default_orchestra = "math"
+
+    def questions(self, config: DrmasConfig, split: Split) -> list[Question]:
+        return load_math_questions(config.data_spec(split), split, config.data, config.experiment.seed)
+
+    def tools(self, config: DrmasConfig, store: Store) -> Tools:
+        return Tools()
+
+    def corpus(self, config: DrmasConfig) -> list[str]:
+        return []
+
+    def demonstrations(self, config: DrmasConfig, questions: list[Question], tools: Tools, rng: np.random.Generator) -> Demonstrations:
+        return math_demonstrations(questions, config, rng)
+
+    def reward(self, final_answer: str | None, question: Question) -> float:
+        return math_reward(final_answer, question)
+
+
+class MathOrchestra:
+    """Solver then Verifier, up to ``task.max_loops`` Solver calls per episode.
+
+    No verification after the last solve; an approved episode is not solved again; the
+    final answer is the last Solver output (its last \\boxed{}); a missing or malformed
+    verdict counts as approve unless ``task.malformed_verdict_passes`` is False.
+    """
+
+    agents = {"solver": SolverAgent, "verifier": MathVerifierAgent}
+
+    def __init__(self, task: TaskConfig, tools: Tools) -> None:
+        self.max_loops = task.max_loops
+        self.malformed_passes = task.malformed_verdict_passes
+        self.agent_objects = {name: cls() for name, cls in self.agents.items()}
+
+    def run(self, episodes: list[Episode], team: Team) -> None:
+        pending = list(episodes)
+        for loop in range(self.max_loops):
+            solutions = team.call("solver", pending, step=1)
+            for episode, solution in zip(pending, solutions, strict=True):
+                episode.team_context.append(f"Solver: {solution.text}")
+                episode.final_answer = solution.text
+            if loop == self.max_loops - 1:
+                break
+            verdicts = team.call("verifier", pending, step=1)
+            still_pending = []
+            for episode, verdict in zip(pending, verdicts, strict=True):
+                episode.team_context.append(verifier_context(verdict.text))
+                if not verdict_passes(verdict, "approve", "reject", self.malformed_passes):
+                    still_pending.append(episode)
+            pending = still_pending
+            if not pending:
+                break
+        for episode in episodes:
+            episode.done = True
+
+    def reward(self, episode: Episode) -> float:
+        return math_reward(episode.final_answer, episode.question)
+
+
+class SoloOrchestra:
+    """One Solver call per episode, nothing else: single-agent GRPO on the math task.
+
+    The baseline a multi-agent run is compared with, and the setting in which drmas is
+    benchmarked against single-agent trainers (with ``algorithm.advantage: grpo`` the two
+    advantage modes coincide: one agent has one set of reward statistics).
+    """
+
+    agents = {"solver": SolverAgent}
+
+    def __init__(self, task: TaskConfig, tools: Tools) -> None:
+        self.agent_objects = {"solver": SolverAgent()}
+
+    def run(self, episodes: list[Episode], team: Team) -> None:
+        for episode, solution in zip(episodes, team.call("solver", episodes, step=1), strict=True):
+            episode.final_answer, episode.done = solution.text, True
+
+    def reward(self, episode: Episode) -> float:
+        return math_reward(episode.final_answer, episode.question)

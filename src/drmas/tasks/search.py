@@ -13,7 +13,8 @@ list removed and no stemming. An index is built once per corpus and cached in th
 store under ``_cache/bm25/{corpus_hash}``; loading it never unpickles anything.
 
 The reward is Search-R1's exact match: SQuAD normalisation, then equality with any gold
-answer.
+answer. The warm start's demonstrations play each generated question out against the real
+retriever, one hop's query at a time (``SearchTask.demonstrations``).
 """
 
 from __future__ import annotations
@@ -28,34 +29,24 @@ import string
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import bm25s
-import pyarrow as pa
-import pyarrow.parquet as pq
+import numpy as np
 from bm25s.stopwords import STOPWORDS_EN
 
+from drmas.config import TaskConfig
+from drmas.team.agents import AnswerAgent, RouterAgent, SearchAgent, verifier_context
+from drmas.team.episodes import Episode
+from drmas.team.orchestras import Team, verdict_passes
 from drmas.infra.store import Artifact, ArtifactExists, ArtifactWriter, CorruptArtifact, Store
-from drmas.tasks import DataError, Question
+from drmas.tasks import DataError, Demonstrations, Question, Split, Tools
+from drmas.tasks.files import local_file, read_jsonl, read_questions
 
 if TYPE_CHECKING:
-    from drmas.config import DataConfig
+    from drmas.config import DataConfig, DrmasConfig
 
-__all__ = [
-    "Passage",
-    "Retriever",
-    "cached_retriever",
-    "corpus_for",
-    "demonstration_queries",
-    "exact_match",
-    "format_passages",
-    "generate_fact_world",
-    "generated_facts",
-    "load_corpus",
-    "load_qa",
-    "normalize_answer",
-]
+__all__ = ["Passage", "Retriever", "SearchOrchestra", "SearchTask", "cached_retriever", "corpus_for", "demonstration_queries", "exact_match", "format_passages", "generate_fact_world", "generated_facts", "load_corpus", "load_qa", "normalize_answer", "search_demonstrations"]
 
 logger = logging.getLogger(__name__)
 
@@ -297,38 +288,6 @@ def corpus_for(data: DataConfig, seed: int) -> list[Passage]:
 # --------------------------------------------------------------------------------------
 
 
-def _local_file(path: str) -> Path:
-    """A readable local file, or a DataError that says why not."""
-    if path.startswith("s3://"):
-        raise DataError(f"{path}: s3:// data files are not supported here; copy the file locally")
-    file = Path(path)
-    if not file.is_file():
-        raise DataError(f"{path}: file does not exist")
-    return file
-
-
-def _read_jsonl(path: str) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, object) for every non-blank line; DataError names the bad line."""
-    rows = []
-    with _local_file(path).open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise DataError(f"{path}: line {number}: not UTF-8 ({error.reason})") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{path}: line {number}: invalid JSON ({error.msg})") from None
-            if not isinstance(row, dict):
-                kind = type(row).__name__
-                raise DataError(f"{path}: line {number}: expected a JSON object, got {kind}")
-            rows.append((number, row))
-    return rows
-
-
 def _passage_text(row: dict[str, Any]) -> str | None:
     """The passage text: FlashRAG ``contents`` (title on its first line) or ``text``.
 
@@ -355,7 +314,7 @@ def load_corpus(path: str) -> list[Passage]:
     """
     passages = []
     first_line: dict[str, int] = {}
-    for number, row in _read_jsonl(path):
+    for number, row in read_jsonl(local_file(path)):
         text = _passage_text(row)
         if text is None:
             keys = ", ".join(sorted(row)) or "none"
@@ -375,23 +334,6 @@ def load_corpus(path: str) -> list[Passage]:
     return passages
 
 
-def _read_rows(path: str) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
-    """(label, row) pairs of a JSONL or Parquet file, and the columns that it has."""
-    suffix = Path(path).suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        rows = [(f"line {number}", row) for number, row in _read_jsonl(path)]
-        columns = sorted({key for _, row in rows for key in row})
-        return rows, columns
-    if suffix == ".parquet":
-        try:
-            table = pq.read_table(_local_file(path))
-        except (pa.ArrowException, OSError) as error:
-            raise DataError(f"{path}: not a readable Parquet file ({error})") from None
-        rows = [(f"row {index}", row) for index, row in enumerate(table.to_pylist())]
-        return rows, table.column_names
-    raise DataError(f"{path}: unsupported file type {suffix or '(none)'!r}; use .jsonl or .parquet")
-
-
 def _answers(value: Any) -> tuple[str, ...]:
     """Accepted answers from a list (Search-R1's ``golden_answers``) or a single value."""
     values = value if isinstance(value, (list, tuple)) else [value]
@@ -402,43 +344,14 @@ def _answers(value: Any) -> tuple[str, ...]:
     )
 
 
-def _load_qa_file(path: str, data: DataConfig) -> list[Question]:
-    rows, columns = _read_rows(path)
-    if not rows:
-        raise DataError(f"{path}: no rows (the file is empty)")
-    required = {"question_field": data.question_field, "answer_field": data.answer_field}
-    for field, column in required.items():
-        if column not in columns:
-            raise DataError(
-                f"{path}: no column {column!r} (data.{field}); available: {', '.join(columns)}"
-            )
-    stem = Path(path).stem
-    questions = []
-    first_row: dict[str, str] = {}
-    for index, (label, row) in enumerate(rows):
-        text = row.get(data.question_field)
-        if not isinstance(text, str) or not text.strip():
-            raise DataError(f"{path}: {label}: no question in {data.question_field!r}")
-        answers = _answers(row.get(data.answer_field))
-        if not answers:
-            raise DataError(f"{path}: {label}: no answer in {data.answer_field!r}")
-        qid = str(row["id"]) if row.get("id") is not None else str(index)
-        if qid in first_row:
-            raise DataError(f"{path}: {label}: duplicate id {qid!r} (first at {first_row[qid]})")
-        first_row[qid] = label
-        source = row.get(data.data_source_field) or stem
-        questions.append(Question(qid, text.strip(), answers, str(source)))
-    return questions
-
-
 def load_qa(
     spec: str, split: Literal["train", "eval"], data: DataConfig, seed: int
 ) -> list[Question]:
-    """The questions of one split: ``generated:facts`` or a JSONL/Parquet file.
+    """The questions of one split: ``generated:facts`` or a JSONL, JSON or Parquet file.
 
-    A file is the split itself (``split`` only picks the half of a generated set). Column
-    names come from ``data`` (a ``DataConfig``); a row's data source is its
-    ``data.data_source_field`` value, or the file's stem when the column is absent.
+    A file is the split itself (``split`` only picks the half of a generated set), read by
+    ``drmas.tasks.files.read_questions``; its answer column holds one answer or a list of
+    them (Search-R1's ``golden_answers``), and empty ones are dropped.
     """
     if spec.startswith(GENERATED_PREFIX):
         name = spec[len(GENERATED_PREFIX):]
@@ -449,7 +362,7 @@ def load_qa(
             )
         _, train, evaluation = generated_facts(data, seed)
         return train if split == "train" else evaluation
-    return _load_qa_file(spec, data)
+    return read_questions(spec, data, _answers)
 
 
 # --------------------------------------------------------------------------------------
@@ -620,3 +533,144 @@ def format_passages(passages: list[Passage]) -> str:
         f"Doc {rank}: {' '.join(passage.text.split())}"
         for rank, passage in enumerate(passages, start=1)
     )
+
+
+# --------------------------------------------------------------------------------------
+# Warm-start demonstrations
+# --------------------------------------------------------------------------------------
+
+
+def search_demonstrations(questions: list[Question], config: DrmasConfig, retriever: Retriever, rng: np.random.Generator) -> Demonstrations:
+    """(prompt, response) pairs per agent, from episodes played out with the real retriever.
+
+    A verdict is "yes" once every hop of the question's plan is in the history, flipped
+    with probability ``verdict_noise`` (answering too early, or searching once too often,
+    which on the last turn leaves the episode without an answer; ``hesitation``, when set,
+    is the probability of the second mistake). A query after the plan
+    ran out repeats the last hop's. The answer is the gold one when the passages hold it,
+    else (and with probability ``wrong_fraction``) another name from the passages or the
+    question: the mistake of copying the wrong entity.
+    """
+    task, warm = config.task, config.warmstart
+    plans = demonstration_queries(config.data, config.experiment.seed)
+    router, searcher, answerer = (cls(history_length=task.history_length) for cls in (RouterAgent, SearchAgent, AnswerAgent))
+    demos: Demonstrations = {"verifier": [], "search": [], "answer": []}
+    for question in questions:
+        plan = plans.get(question.qid)
+        if plan is None:
+            raise DataError(f"warm start: no demonstration for question {question.qid!r} (only generated:facts has them)")
+        episode = Episode("u", "t", 0, question)
+        for step in range(1, task.max_turns + 1):
+            complete = len(episode.history) >= len(plan)
+            noise = warm.hesitation if complete and warm.hesitation is not None else warm.verdict_noise
+            enough = complete != (rng.random() < noise)
+            episode.team_context = []
+            route = f"<verify>{'yes' if enough else 'no'}</verify>"
+            demos["verifier"].append((router.prompt(episode, step), route))
+            episode.team_context.append(verifier_context(route))
+            # A hesitant router's Answer agent still learns at every state it could answer
+            # from: the hesitation is the router's, not a lack of answers to copy.
+            if enough or (complete and warm.hesitation is not None):
+                answer = _demonstrated_answer(episode, rng, warm.wrong_fraction)
+                demos["answer"].append((answerer.prompt(episode, step), f"<think></think><answer>{answer}</answer>"))
+            if enough:
+                break
+            if step < task.max_turns:
+                query = plan[min(len(episode.history), len(plan) - 1)]
+                demos["search"].append((searcher.prompt(episode, step), f"<think></think><search>{query}</search>"))
+                found = retriever.search([query], task.retrieval_top_k)[0]
+                episode.history.append((query, format_passages(found)))
+    return demos
+
+
+NAME_OR_YEAR = re.compile(r"\b(?:[A-Z][a-z]+(?: [A-Z][a-z]+)?|\d{4})\b")
+"""What a generated answer looks like: a place, a person ("First Last") or a year."""
+
+
+def _demonstrated_answer(episode: Episode, rng: np.random.Generator, wrong_fraction: float) -> str:
+    """The gold answer if the passages show it (1 - wrong_fraction of the time), else a
+    wrong entity from the passages or the question."""
+    gold = episode.question.answers[0]
+    seen = " ".join(info for _, info in episode.history)
+    if gold in seen and rng.random() >= wrong_fraction:
+        return gold
+    text = seen or episode.question.question
+    others = sorted({name for name in NAME_OR_YEAR.findall(text) if name != gold and name not in {"Doc", "The", "What", "Who", "In"}})
+    return str(rng.choice(others)) if others else "unknown"
+
+
+# --------------------------------------------------------------------------------------
+# The task
+# --------------------------------------------------------------------------------------
+
+
+class SearchTask:
+    """Questions answered from a corpus through BM25 search; reward exact match."""
+
+    default_data = f"{GENERATED_PREFIX}{GENERATED_FACTS}"
+    default_orchestra = "search"
+
+    def questions(self, config: DrmasConfig, split: Split) -> list[Question]:
+        return load_qa(config.data_spec(split), split, config.data, config.experiment.seed)
+
+    def tools(self, config: DrmasConfig, store: Store) -> Tools:
+        return Tools(retriever=cached_retriever(corpus_for(config.data, config.experiment.seed), store))
+
+    def corpus(self, config: DrmasConfig) -> list[str]:
+        return [passage.text for passage in corpus_for(config.data, config.experiment.seed)]
+
+    def demonstrations(self, config: DrmasConfig, questions: list[Question], tools: Tools, rng: np.random.Generator) -> Demonstrations:
+        return search_demonstrations(questions, config, tools.retriever, rng)
+
+    def reward(self, final_answer: str | None, question: Question) -> float:
+        return exact_match(final_answer, question.answers)
+
+
+class SearchOrchestra:
+    """Each turn the Verifier routes: 'no' runs the Search agent (its query is answered
+    with the top-k passages, shown in the next turn's history; the Search agent reads the
+    Verifier's whole response), 'yes' runs the Answer agent, whose tagged answer ends the
+    episode (an output without <answer> tags is an empty action: the episode goes on, as
+    in the reference). On the last turn no search is allowed: an episode still routed to
+    search, or still without an answer, ends with none (reward 0). A malformed route
+    counts as 'yes' unless ``task.malformed_verdict_passes`` is False."""
+
+    agents = {"verifier": RouterAgent, "search": SearchAgent, "answer": AnswerAgent}
+
+    def __init__(self, task: TaskConfig, tools: Tools) -> None:
+        if tools.retriever is None:
+            raise ValueError("the search orchestra needs a retriever (Tools.retriever)")
+        self.max_turns = task.max_turns
+        self.top_k = task.retrieval_top_k
+        self.malformed_passes = task.malformed_verdict_passes
+        self.retriever = tools.retriever
+        self.agent_objects = {
+            name: cls(history_length=task.history_length) for name, cls in self.agents.items()
+        }
+
+    def run(self, episodes: list[Episode], team: Team) -> None:
+        for step in range(1, self.max_turns + 1):
+            active = [episode for episode in episodes if not episode.done]
+            if not active:
+                break
+            for episode in active:
+                episode.team_context = []
+            routes = team.call("verifier", active, step)
+            to_search, to_answer = [], []
+            for episode, route in zip(active, routes, strict=True):
+                episode.team_context.append(verifier_context(route.text))
+                enough = verdict_passes(route, "yes", "no", self.malformed_passes)
+                (to_answer if enough else to_search).append(episode)
+            if step < self.max_turns and to_search:
+                queries = team.call("search", to_search, step)
+                passages = self.retriever.search([q.text for q in queries], self.top_k)
+                for episode, query, found in zip(to_search, queries, passages, strict=True):
+                    episode.history.append((query.text, format_passages(found)))
+            for episode, answer in zip(to_answer, team.call("answer", to_answer, step), strict=True):
+                if answer.acted:  # untagged output: an empty action, the episode goes on
+                    episode.final_answer, episode.done = answer.text, True
+        for episode in episodes:
+            episode.done = True
+
+    def reward(self, episode: Episode) -> float:
+        return exact_match(episode.final_answer, episode.question.answers)

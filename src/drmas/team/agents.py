@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from drmas.team.episodes import Episode
-from drmas.tasks.math import extract_boxed
 
 __all__ = [
     "Agent",
@@ -43,6 +42,7 @@ __all__ = [
     "RouterAgent",
     "SearchAgent",
     "SolverAgent",
+    "extract_boxed",
     "find_tag",
     "is_plain",
     "verifier_context",
@@ -87,6 +87,59 @@ def find_tag(text: str, tag: str) -> str | None:
     close = text.rfind(f"</{tag}>")
     start = text.rfind(f"<{tag}>", 0, close) if close >= 0 else -1
     return text[start + len(tag) + 2 : close].strip() if start >= 0 else None
+
+
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+_BARE_TOKEN = re.compile(r"[^\s${}]+")
+"""``\\boxed 5``: the argument is the run of text up to a space, a ``$`` or a brace."""
+
+
+def _closing_brace(text: str, open_at: int) -> int | None:
+    """Index of the ``}`` that closes the ``{`` at ``open_at``, or None if it never closes.
+
+    A backslash escapes the next character, so ``\\{`` and ``\\}`` (set braces) are content,
+    not grouping.
+    """
+    depth = 0
+    i = open_at
+    while i < len(text):
+        char = text[i]
+        if char == "\\":
+            i += 2
+            continue
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    return None
+
+
+def _box_argument(text: str, start: int) -> str | None:
+    """The argument of a box command whose name ends at ``start``."""
+    i = start
+    while i < len(text) and text[i].isspace():
+        i += 1
+    if i < len(text) and text[i] == "{":
+        close = _closing_brace(text, i)
+        return None if close is None else text[i + 1 : close]
+    token = _BARE_TOKEN.match(text, i)
+    return token.group() if token else None
+
+
+def extract_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``, ``\\boxed 5``), or None.
+
+    Only the text after the last ``</think>`` counts: reasoning drafts are not answers. The
+    last box decides even when it is unclosed (None): a response cut off while writing its
+    answer gets no credit for an earlier draft, as in the reference. It lives with the
+    parsers because the Solver's parser and the math task's reward must read the same box.
+    """
+    tail = text.rpartition("</think>")[2]
+    boxes = list(_BOX.finditer(tail))
+    return _box_argument(tail, boxes[-1].end()) if boxes else None
 
 
 def is_plain(text: str) -> bool:

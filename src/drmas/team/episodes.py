@@ -12,9 +12,21 @@ import numpy as np
 import pyarrow as pa
 
 from drmas.infra.schema import TRAJECTORY_SCHEMA
-from drmas.tasks import Question
 
-__all__ = ["Call", "Episode", "episodes_to_table"]
+__all__ = ["Call", "Episode", "Question", "episodes_to_table"]
+
+
+@dataclass(frozen=True)
+class Question:
+    """One prompt of a data set, with every accepted gold answer."""
+
+    qid: str
+    """Stable id within its data set (row index or the file's id column)."""
+    question: str
+    answers: tuple[str, ...]
+    """Accepted answers; the reward compares the final answer against each."""
+    data_source: str
+    """Where the question comes from (metrics are also reported per source)."""
 
 
 @dataclass(frozen=True)

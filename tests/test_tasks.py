@@ -1,0 +1,279 @@
+"""drmas.tasks: the task registry, the one question-file reader, and a third task (the
+example of docs/tasks.md) run through the rollout stage without a change to drmas."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from drmas.config import ConfigError, DataConfig, DrmasConfig, load_config
+from drmas.stages.policies import tokenizer_corpus
+from drmas.stages.rollout import rollout, task_questions
+from drmas.infra.schema import TRAJECTORY_SCHEMA
+from drmas.infra.store import Store
+from drmas.tasks import DataError, Question, Task
+from drmas.registry import BUILTIN_TASKS, get_task, task_for
+from drmas.tasks.files import read_questions
+from drmas.tasks.math import MathTask, load_math_questions
+from drmas.tasks.search import SearchTask, load_qa
+from drmas.generation.workers import GenerationResult
+
+ROOT = Path(__file__).parent.parent
+CONFIGS = ROOT / "configs"
+LOADERS = {"math": load_math_questions, "search": load_qa}
+"""Both tasks' question loaders: a file must read the same through either."""
+
+
+# --------------------------------------------------------------------------------------
+# The registry
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "task_class", "default_data"),
+    [("math", MathTask, "generated:arithmetic"), ("search", SearchTask, "generated:facts")],
+)
+def test_builtin_tasks_by_name(name, task_class, default_data):
+    task = get_task(name)
+    assert type(task) is task_class and isinstance(task, Task)
+    assert (task.default_data, task.default_orchestra) == (default_data, name)
+
+
+@pytest.mark.parametrize("config_file", ["math_tiny.yaml", "search_tiny.yaml", "math_solo_tiny.yaml"])
+def test_the_config_asks_its_task_for_defaults(config_file):
+    config = load_config(CONFIGS / config_file, ["data.train=null", "data.eval=null"])
+    task = task_for(config)
+    assert type(task) is type(get_task(config.task.name))
+    assert config.data_spec("train") == config.data_spec("eval") == task.default_data
+    assert config.task.orchestra_name == (config.task.orchestra or task.default_orchestra)
+
+
+def test_unknown_and_unimportable_tasks_are_named():
+    known = ", ".join(sorted(BUILTIN_TASKS))
+    with pytest.raises(ValueError, match=re.escape(f"unknown task 'maths': use one of {known}, or an import path")):
+        get_task("maths")
+    with pytest.raises(ValueError, match=r"cannot import task 'no_such_module:Task': No module named 'no_such_module'"):
+        get_task("no_such_module:Task")
+    with pytest.raises(ValueError, match=r"cannot import task 'drmas.tasks.math:NoTask'"):
+        get_task("drmas.tasks.math:NoTask")
+
+
+def test_the_config_refuses_an_unknown_task_by_its_field():
+    with pytest.raises(ConfigError, match=re.escape("override task.name: unknown task 'maths': use one of math, search")):
+        load_config(CONFIGS / "math_tiny.yaml", ["task.name=maths"])
+
+
+def test_the_builtin_rewards_are_the_tasks_own():
+    question = Question("q", "What is 3 + 4?", ("7",), "t")
+    assert get_task("math").reward("so \\boxed{7}", question) == 1.0
+    assert get_task("math").reward("7", question) == 0.0  # math wants a boxed answer
+    assert get_task("search").reward("7", question) == 1.0
+    assert get_task("search").reward(None, question) == 0.0
+
+
+def test_a_task_without_tools_or_corpus_says_so():
+    config = load_config(CONFIGS / "math_tiny.yaml")
+    assert get_task("math").tools(config, Store("unused")).retriever is None
+    assert get_task("math").corpus(config) == []
+
+
+def test_the_search_corpus_is_the_retrieved_passages():
+    config = load_config(CONFIGS / "search_tiny.yaml")
+    corpus = get_task("search").corpus(config)
+    answers = {answer for question in get_task("search").questions(config, "train") for answer in question.answers}
+    assert corpus and all(any(answer in text for text in corpus) for answer in list(answers)[:50])
+
+
+# --------------------------------------------------------------------------------------
+# The shared question-file reader: formats
+# --------------------------------------------------------------------------------------
+
+ROWS = [
+    {"id": "a", "question": "Who?", "answer": ["Ann"], "data_source": "nq"},
+    {"question": " What? ", "answer": ["x", "y"]},
+]
+EXPECTED = [Question("a", "Who?", ("Ann",), "nq"), Question("1", "What?", ("x", "y"), "qa")]
+
+
+def _jsonl_bytes(rows: list[object]) -> bytes:
+    return "".join(json.dumps(row) + "\n" for row in rows).encode()
+
+
+def _write(path: Path, content: bytes | list[dict] | pa.Table) -> str:
+    if isinstance(content, pa.Table):
+        pq.write_table(content, path)
+    else:
+        path.write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
+    return str(path)
+
+
+def _both(spec: str, data: DataConfig | None = None) -> list[Question]:
+    """The questions of ``spec`` as both tasks read them (they must agree)."""
+    math, search = (load(spec, "train", data or DataConfig(), 0) for load in LOADERS.values())
+    assert math == search
+    return math
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [
+        ("qa.jsonl", _jsonl_bytes(ROWS)),
+        ("qa.jsonl", b"\xef\xbb\xbf" + _jsonl_bytes(ROWS[:1]) + b"\n  \n" + _jsonl_bytes(ROWS[1:])),  # BOM, blank line
+        ("qa.json", ROWS),  # a JSON list (MATH-500)
+        ("qa.json", _jsonl_bytes(ROWS)),  # JSON Lines named .json (Search-R1)
+        ("qa.parquet", pa.Table.from_pylist(ROWS)),
+    ],
+)
+def test_every_format_reads_the_same_questions(tmp_path, name, content):
+    assert _both(_write(tmp_path / name, content)) == EXPECTED
+
+
+def test_a_json_file_with_one_object_is_one_line_of_json_lines(tmp_path):
+    spec = _write(tmp_path / "qa.json", json.dumps(ROWS[0]).encode())
+    assert _both(spec) == EXPECTED[:1]
+
+
+def test_fields_may_be_nested_or_have_dots_and_questions_may_be_chats(tmp_path):
+    rows = [
+        {"prompt": [{"role": "user", "content": "Q1"}], "reward_model": {"ground_truth": "1"}, "src.name": "s"},
+        {"prompt": [{"role": "system", "content": "x"}, {"role": "user", "content": "Q2"}], "reward_model": {"ground_truth": "2"}, "src.name": 7},
+    ]
+    data = DataConfig(question_field="prompt", answer_field="reward_model.ground_truth", data_source_field="src.name")
+    spec = _write(tmp_path / "dapo.jsonl", _jsonl_bytes(rows))
+    assert _both(spec, data) == [Question("0", "Q1", ("1",), "s"), Question("1", "Q2", ("2",), "7")]
+
+
+def test_each_task_reads_its_own_gold_answers(tmp_path):
+    spec = _write(tmp_path / "qa.jsonl", _jsonl_bytes([{"question": "q", "answer": "work\n#### 1,072"}]))
+    assert read_questions(spec, DataConfig(), lambda value: (value.upper(),))[0].answers == ("WORK\n#### 1,072",)
+    assert load_math_questions(spec, "train", DataConfig(), 0)[0].answers == ("1072",)  # GSM8K
+    assert load_qa(spec, "train", DataConfig(), 0)[0].answers == ("work\n#### 1,072",)
+
+
+# --------------------------------------------------------------------------------------
+# The shared question-file reader: every error names the file, the line or row, the problem
+# --------------------------------------------------------------------------------------
+
+BAD_FILES = [
+    ("qa.csv", b"question,answer\n", "unsupported file type '.csv'; use one of .jsonl, .json, .parquet"),
+    ("qa", b"{}", "unsupported file type '(none)'; use one of .jsonl, .json, .parquet"),
+    ("qa.jsonl", b"", "no rows"),
+    ("qa.jsonl", b"\n  \n", "no rows"),
+    ("qa.json", b"[]", "no rows"),
+    ("qa.parquet", pa.table({"question": pa.array([], pa.string())}), "no rows"),
+    ("qa.parquet", b"not parquet", "not a readable Parquet file ("),
+    ("qa.jsonl", b'{"question": "caf\xe9"}\n', "not UTF-8 text (bad byte at offset 17) on line 1"),
+    ("qa.jsonl", b'\xef\xbb\xbf{"question": "a"}\r\n{"question": "caf\xe9"}\n', "not UTF-8 text (bad byte at offset 39) on line 2"),
+    ("qa.json", b'[{"question": "a", "answer": "1"},\n{"question": "caf\xe9"}]', "not UTF-8 text (bad byte at offset 52) on line 2"),
+    ("qa.jsonl", _jsonl_bytes(ROWS[:1]) + b'{"question": \n', "line 2: invalid JSON (Expecting value)"),
+    ("qa.json", b'[\n{"question": "a",\n', "line 3: invalid JSON (Expecting property name enclosed in double quotes)"),
+    ("qa.jsonl", b'["question"]\n', "line 1: expected a JSON object, got list"),
+    ("qa.json", b'[{"question": "a", "answer": "1"}, 5]', "row 1: expected a JSON object, got int"),
+    ("qa.jsonl", _jsonl_bytes([{"problem": "p", "answer": "1"}]), "no question column 'question' (set data.question_field); columns: answer, problem"),
+    ("qa.jsonl", _jsonl_bytes([{"question": "q", "answer": None}]), "no answer column 'answer' (set data.answer_field); columns: answer, question"),
+    ("qa.jsonl", _jsonl_bytes([ROWS[0], {"question": "  ", "answer": "2"}]), "row 1 (line 2): empty or missing question ('question')"),
+    ("qa.jsonl", _jsonl_bytes([{"question": 5, "answer": "2"}]), "row 0 (line 1): empty or missing question ('question': int 5, not text)"),
+    ("qa.json", [ROWS[0], {"question": "b"}], "row 1: missing or empty answer ('answer')"),
+    ("qa.parquet", pa.table({"question": ["a?", None], "answer": ["x", "y"]}), "row 1: empty or missing question ('question')"),
+    ("qa.jsonl", _jsonl_bytes([ROWS[0], ROWS[1], ROWS[0]]), "duplicated id 'a' (row 0 (line 1) and row 2 (line 3))"),
+]
+
+
+@pytest.mark.parametrize(("task", "name", "content", "message"), [(task, *bad) for task in LOADERS for bad in BAD_FILES])
+def test_bad_files_fail_with_one_message_per_problem(tmp_path, task, name, content, message):
+    spec = _write(tmp_path / name, content)
+    with pytest.raises(DataError) as error:
+        LOADERS[task](spec, "train", DataConfig(), 0)
+    assert str(error.value).startswith(f"{spec}: {message}")
+    assert message.endswith("(") or str(error.value) == f"{spec}: {message}"
+
+
+@pytest.mark.parametrize("task", LOADERS)
+def test_missing_and_remote_files(tmp_path, task):
+    absent = str(tmp_path / "absent.jsonl")
+    with pytest.raises(DataError, match=f"^{re.escape(absent)}: file not found$"):
+        LOADERS[task](absent, "train", DataConfig(), 0)
+    with pytest.raises(DataError, match=r"^s3://bucket/qa\.jsonl: only local files are supported; copy the file here first$"):
+        LOADERS[task]("s3://bucket/qa.jsonl", "train", DataConfig(), 0)
+
+
+# --------------------------------------------------------------------------------------
+# A third task: the example of docs/tasks.md, run through the rollout stage
+# --------------------------------------------------------------------------------------
+
+
+def _docs_example() -> str:
+    """The Python block of docs/tasks.md (there is exactly one)."""
+    [code] = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "tasks.md").read_text(), re.DOTALL)
+    return code
+
+
+@pytest.fixture
+def reverse_config(tmp_path, monkeypatch) -> DrmasConfig:
+    """A config of the reverse task, its module written from the docs onto sys.path."""
+    (tmp_path / "reverse_task.py").write_text(_docs_example())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    overrides = [
+        "task.name=reverse_task:ReverseTask",
+        "task.orchestra=null",  # the task's own: ReverseOrchestra
+        "agents=[{name: reverser, model: tiny}]",
+        "data.train=null",
+        "data.eval=null",
+        "rollout.prompts_per_iteration=5",
+        "rollout.group_size=2",
+    ]
+    return load_config(CONFIGS / "math_tiny.yaml", overrides)
+
+
+class ReversingPool:
+    """A pool at the engine boundary that reverses the word of every prompt, except the
+    words in ``wrong`` (answered as they are)."""
+
+    def __init__(self, wrong: set[str]) -> None:
+        self.wrong = wrong
+
+    def load(self, policies) -> None:
+        pass
+
+    def generate(self, wg, messages, sampling, seed):
+        words = [re.search(r"Reverse the word (\w+)", message).group(1) for message in messages]
+        texts = [f"<answer>{word if word in self.wrong else word[::-1]}</answer>" for word in words]
+        return [GenerationResult([1, 2], [3], [-0.1], text, "stop") for text in texts]
+
+
+def test_a_third_task_runs_through_the_rollout_stage(reverse_config, tmp_path):
+    config = reverse_config
+    assert config.data_spec("train") == "generated:words"
+    assert config.task.orchestra_name == "reverse_task:ReverseOrchestra"
+    train = task_questions(config, "train")
+    assert [q.question for q in train] == ["apple", "stone", "light", "silver", "planet"]
+    store = Store(str(tmp_path / "runs"))
+    result = rollout(config, store, "reverse", 0, {}, ReversingPool(wrong={"stone"}))
+    table = store.open(result.artifact).read_table("trajectories.parquet", TRAJECTORY_SCHEMA)
+    assert set(table["agent"].to_pylist()) == {"reverser"}
+    words = [text.removeprefix("<answer>").removesuffix("</answer>") for text in table["response_text"].to_pylist()]
+    rewards = dict(zip(words, table["reward"].to_pylist()))
+    assert rewards == {"elppa": 1.0, "stone": 0.0, "thgil": 1.0, "revlis": 1.0, "tenalp": 1.0}
+    assert table.num_rows == 10 and result.metrics["reward/mean"] == 0.8
+
+
+def test_a_third_task_gives_the_tokenizer_and_the_warm_start_its_texts(reverse_config):
+    texts = tokenizer_corpus(reverse_config)
+    assert "window" in texts  # its corpus
+    assert any("Reverse the word apple" in text for text in texts)  # its agent's prompts
+    task = task_for(reverse_config)
+    demos = task.demonstrations(reverse_config, task.questions(reverse_config, "eval"), task.tools(reverse_config, None), np.random.default_rng(0))
+    assert [response for _, response in demos["reverser"]][:2] == ["<answer>revir</answer>", "<answer>duolc</answer>"]
+
+
+def test_a_third_task_reads_question_files_with_the_shared_reader(reverse_config, tmp_path):
+    spec = _write(tmp_path / "words.jsonl", _jsonl_bytes([{"question": "abc", "answer": "cba"}, {"question": "de"}]))
+    config = reverse_config.model_copy(update={"data": reverse_config.data.model_copy(update={"train": spec})})
+    with pytest.raises(DataError, match=re.escape(f"{spec}: row 1 (line 2): missing or empty answer ('answer')")):
+        task_questions(config, "train")
