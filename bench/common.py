@@ -53,7 +53,7 @@ TIMED: dict[str, list[tuple[str, str]]] = {
         ("PoolOnDemand.__exit__", "ray/shutdown"),
     ],
     "drmas.runner": [("_report", "report")],
-    "drmas.caching": [("cache_key", "cache_key")],
+    "drmas.contracts": [("cache_key", "cache_key")],
     "drmas.tracking": [
         ("Tracker.__init__", "tracking/init"),
         ("Tracker.log_metrics", "tracking/log_metrics"),
