@@ -51,7 +51,7 @@ TIMED: dict[str, list[tuple[str, str]]] = {
         ("PoolOnDemand.__exit__", "ray/shutdown"),
     ],
     "drmas.runner": [("_report", "report")],
-    "drmas.infra.caching": [("cache_key", "cache_key")],
+    "drmas.stages.contracts": [("cache_key", "cache_key")],
     "drmas.infra.tracking": [
         ("Tracker.__init__", "tracking/init"),
         ("Tracker.log_metrics", "tracking/log_metrics"),

@@ -111,7 +111,7 @@ def test_a_component_under_kfp_local_reads_and_writes_the_store(tmp_path, monkey
     metrics.path (without that file kfp.local never caches the task)."""
     from kfp import dsl, local
 
-    from drmas.infra.caching import cache_key
+    from drmas.stages.contracts import AdvantageContract, cache_key
     from drmas.infra.layout import stage_path
     from helpers import stored_rollout
 
@@ -132,7 +132,7 @@ def test_a_component_under_kfp_local_reads_and_writes_the_store(tmp_path, monkey
         local.config.LocalExecutionConfig.instance = None  # later tests compile, never run locally
     path = stage_path(config.experiment.name, "r", 0, "advantage")
     assert batch.metadata["store_uri"] == store.uri(path) and batch.metadata["artifact"] == path
-    assert store.open(path).meta["cache_key"] == cache_key(config, "advantage", store, {"rollout": source})
+    assert store.open(path).meta["cache_key"] == cache_key(config, store, AdvantageContract("r", 0))
     assert batch.metadata["fingerprint"] == store.fingerprint(path, ignore=("metrics.json",))
     assert json.loads(Path(batch.path).read_text())["store_uri"] == store.uri(path)
     [metrics] = (tmp_path / "kfp").glob("advantage-alone-*/advantage/metrics")

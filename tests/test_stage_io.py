@@ -191,7 +191,7 @@ def test_the_advantage_component_body_on_fake_artifacts(tmp_path, monkeypatch, c
     rollout its input points at, writes the batch under drmas' cache key, publishes the
     pointer and the metrics, reuses the output on a second call and recomputes it forced."""
     from drmas_kfp import components
-    from drmas.infra.caching import cache_key
+    from drmas.stages.contracts import AdvantageContract, cache_key
     from drmas.infra.layout import stage_path
 
     monkeypatch.chdir(tmp_path)
@@ -206,7 +206,7 @@ def test_the_advantage_component_body_on_fake_artifacts(tmp_path, monkeypatch, c
 
     batch, metrics = call()
     path = stage_path(config.experiment.name, "r", 0, "advantage")
-    assert store.open(path).meta["cache_key"] == cache_key(config, "advantage", store, {"rollout": source})
+    assert store.open(path).meta["cache_key"] == cache_key(config, store, AdvantageContract("r", 0))
     assert batch.metadata["artifact"] == path and batch.metadata["store_uri"] == store.uri(path)
     assert batch.metadata["fingerprint"] == store.fingerprint(path, ignore=(METRICS_FILE,)) and batch.metadata["iteration"] == 0
     assert json.loads(Path(batch.path).read_text()) == batch.metadata

@@ -1,11 +1,12 @@
 """The embedded runner: the whole training loop on one machine, one screen long.
 
-Each iteration calls the same stage functions that the Kubeflow components call. A stage
-whose output already exists with the same cache key (its inputs' content, the config it
-reads, the code version: ``drmas.infra.caching``) is not run again; stages are deterministic
-given their inputs, so that output is what a rerun would produce. This makes a killed run
-resumable (``train`` continues after the last checkpointed iteration, reusing the stages
-of the interrupted one that had finished) and lets ``rerun`` recompute a single stage.
+Each iteration calls the same stage functions that the Kubeflow components call, with
+the same stage contracts (``drmas.stages.contracts``). A stage whose output already exists with
+the same cache key (its inputs' content, the config it reads, the code version) is not run
+again; stages are deterministic given their inputs, so that output is what a rerun would
+produce. This makes a killed run resumable (``train`` continues after the last
+checkpointed iteration, reusing the stages of the interrupted one that had finished) and
+lets ``rerun`` recompute a single stage.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from drmas.stages.advantage import advantage
-from drmas.infra.caching import cache_key, is_cached
+from drmas.infra.caching import is_cached
 from drmas.stages.checkpoint import checkpoint, resume_point
+from drmas.stages.contracts import AdvantageContract, CheckpointContract, EvaluateContract, RolloutContract, StageContract, UpdateContract, cache_key
 from drmas.stages.evaluate import evaluate
 from drmas.config import ConfigError, DrmasConfig
 from drmas.infra.layout import optim_path, policy_path, run_path, stage_path
@@ -29,7 +31,7 @@ from drmas.stages.policies import init_policies
 from drmas.generation.pool import PoolOnDemand
 from drmas.analysis.report import run_history, write_report
 from drmas.stages.rollout import rollout, task_questions
-from drmas.infra.store import Store
+from drmas.infra.store import Store, iteration_path
 from drmas.stages.update import update
 from drmas.stages.warmstart import warmstart
 from drmas.generation.workers import PolicyRef
@@ -121,8 +123,8 @@ def run_iteration(
 ) -> IterationResult:
     """Rollout, advantage, update per worker group, evaluate (when due), checkpoint.
 
-    Each stage runs only when its cached output is missing or stale (see drmas.infra.caching),
-    or when it is named in ``force``.
+    Each stage runs only when its cached output is missing or stale (its contract's cache
+    key, see drmas.stages.contracts), or when it is named in ``force``.
     """
     experiment = config.experiment.name
     began = time.perf_counter()
@@ -130,9 +132,10 @@ def run_iteration(
     evaluating = bool(config.eval.every) and ((i + 1) % config.eval.every == 0 or i == config.experiment.iterations - 1)
     bar = tqdm(total=3 + len(policies) + evaluating, desc=f"iter {i}", unit="stage", leave=False, disable=None)
 
-    def stage(name: str, path: str, kind: str, inputs: dict[str, str], compute, **values) -> None:
+    def stage(name: str, contract: StageContract, compute) -> None:
         bar.set_postfix_str(name)
-        key = cache_key(config, kind, store, inputs, **values)
+        path = contract.output(config)
+        key = cache_key(config, store, contract)
         if name in force or not is_cached(store, path, key):
             out.metrics.update(compute(key).metrics)
             out.recomputed.append(name)
@@ -141,31 +144,23 @@ def run_iteration(
         out.stages[name] = path
         bar.update()
 
-    policy_inputs = {f"policy/{wg}": ref.artifact for wg, ref in policies.items()}
-    stage("rollout", stage_path(experiment, run_id, i, "rollout"), "rollout", policy_inputs,
-          lambda key: rollout(config, store, run_id, i, policies, pool(), overwrite=True, cache_key=key), iteration=i)
-    stage("advantage", stage_path(experiment, run_id, i, "advantage"), "advantage", {"rollout": out.stages["rollout"]},
+    stage("rollout", RolloutContract(run_id, i, policies),
+          lambda key: rollout(config, store, run_id, i, policies, pool(), overwrite=True, cache_key=key))
+    stage("advantage", AdvantageContract(run_id, i),
           lambda key: advantage(config, store, run_id, i, overwrite=True, cache_key=key))
     for wg in policies:
-        inputs = {"batch": out.stages["advantage"], "policy": policies[wg].artifact}
-        if optims[wg] is not None:
-            inputs["optim"] = optims[wg].artifact
-        if config.algorithm.kl_coef:
-            inputs["reference"] = reference[wg].artifact
-        stage(f"policy/{wg}", policy_path(experiment, run_id, i, wg), "update", inputs,
-              lambda key, wg=wg: update(config, store, run_id, i, wg, policies[wg], optims[wg], reference[wg], overwrite=True, cache_key=key),
-              iteration=i, wg=wg)
-        out.stages[f"optim/{wg}"] = optim_path(experiment, run_id, i, wg)
+        contract = UpdateContract(run_id, i, wg, policies[wg], optims[wg], reference[wg])
+        stage(f"policy/{wg}", contract,
+              lambda key, wg=wg: update(config, store, run_id, i, wg, policies[wg], optims[wg], reference[wg], overwrite=True, cache_key=key))
+        out.stages[f"optim/{wg}"] = contract.optim_output(config)
         out.policies[wg], out.optims[wg] = PolicyRef(out.stages[f"policy/{wg}"]), PolicyRef(out.stages[f"optim/{wg}"])
-    new_policies = {f"policy/{wg}": ref.artifact for wg, ref in out.policies.items()}
     if evaluating:
-        path = stage_path(experiment, run_id, i, "evaluate")
-        stage("evaluate", path, "evaluate", new_policies,
-              lambda key: evaluate(config, store, path, out.policies, pool(), overwrite=True, cache_key=key))
+        evaluation = EvaluateContract(iteration_path(experiment, run_id, i), out.policies)
+        stage("evaluate", evaluation,
+              lambda key: evaluate(config, store, evaluation.output(config), out.policies, pool(), overwrite=True, cache_key=key))
     out.metrics["time/iteration"] = time.perf_counter() - began
-    optim_inputs = {f"optim/{wg}": ref.artifact for wg, ref in out.optims.items()}
-    stage("checkpoint", stage_path(experiment, run_id, i, "checkpoint"), "checkpoint", {**new_policies, **optim_inputs},
-          lambda key: checkpoint(config, store, run_id, i, dict(out.metrics), overwrite=True, cache_key=key), iteration=i)
+    stage("checkpoint", CheckpointContract(run_id, i),
+          lambda key: checkpoint(config, store, run_id, i, dict(out.metrics), overwrite=True, cache_key=key))
     bar.close()
     return out
 
@@ -196,8 +191,8 @@ def train(config: DrmasConfig, store: Store, run_id: str, cache_dir: Path | None
         optims = start.optims
         with PoolOnDemand(config, store, cache_dir) as pool:
             if config.eval.every and start.next_iteration == 0:
-                path = f"{run_path(experiment, run_id)}/init/evaluate"
-                key = cache_key(config, "evaluate", store, {f"policy/{wg}": ref.artifact for wg, ref in initial.items()})
+                evaluation = EvaluateContract(f"{run_path(experiment, run_id)}/init", initial)
+                path, key = evaluation.output(config), cache_key(config, store, evaluation)
                 before = store.open(path).read_json("metrics.json") if is_cached(store, path, key) else evaluate(config, store, path, initial, pool(), overwrite=True, cache_key=key).metrics
                 tracker.log_metrics(before, step=0)
                 log.info("before training: %s", _eval_line(before, config.eval.k))

@@ -34,9 +34,10 @@ bucket would fail, and inside it whole checkpoints would be copied into every po
 
 Every stage also keeps drmas' own content-addressed cache: its output is reused when the
 store holds it with the same cache key (stage, input content, the config it reads, drmas
-version: ``drmas.infra.caching``), so a task that KFP re-executes does no work unless its inputs
-changed, and KFP runs, ``drmas run`` and ``drmas rerun`` share outputs in one store.
-``force=True`` recomputes regardless (the pipelines set it with ``--force``).
+version: the stage's contract in ``drmas.stages.contracts``, which ``drmas run`` uses too), so a
+task that KFP re-executes does no work unless its inputs changed, and KFP runs,
+``drmas run`` and ``drmas rerun`` share outputs in one store. ``force=True`` recomputes
+regardless (the pipelines set it with ``--force``).
 
 What every body does around its stage (open the config and store, check the input
 pointers, reuse or compute under the cache key, publish the pointer and the metrics) is

@@ -19,15 +19,13 @@ def advantage(
     """``iter-{i}/rollout/trajectories.parquet`` -> ``iter-{i}/advantage/batch.parquet``
     (reused when stored with the same cache key, unless ``force``)."""
     from drmas.stages.advantage import advantage as advantage_stage
-    from drmas.infra.caching import cache_key
-    from drmas.infra.layout import stage_path
+    from drmas.stages.contracts import AdvantageContract, cache_key
     from drmas.stages.io import METRICS_FILE, expect_input, open_stage, publish, publish_metrics, reuse_or_compute
 
     config, store = open_stage(config_json)
-    source = stage_path(config.experiment.name, run_id, iteration, "rollout")
-    expect_input(trajectories, source, store, f"the advantage of iteration {iteration}")
-    path = stage_path(config.experiment.name, run_id, iteration, "advantage")
-    key = cache_key(config, "advantage", store, {"rollout": source})
+    contract = AdvantageContract(run_id, iteration)
+    expect_input(trajectories, contract.inputs(config)["rollout"], store, f"the advantage of iteration {iteration}")
+    path, key = contract.output(config), cache_key(config, store, contract)
 
     def compute():
         advantage_stage(config, store, run_id, iteration, overwrite=True, cache_key=key)

@@ -32,8 +32,8 @@ def checkpoint(
     """Write ``iter-{i}/checkpoint`` naming every worker group's new policy and optimizer
     state (one ``update_k`` per worker group) with the iteration's metrics; the output is
     the policy set the next iteration starts from."""
-    from drmas.infra.caching import cache_key
     from drmas.stages.checkpoint import checkpoint as checkpoint_stage
+    from drmas.stages.contracts import CheckpointContract, cache_key
     from drmas.infra.layout import optim_path, policy_path, stage_path
     from drmas.stages.io import METRICS_FILE, open_stage, policy_set, publish, publish_metrics, reuse_or_compute
     from drmas.infra.store import iteration_path
@@ -47,9 +47,8 @@ def checkpoint(
     if given != expected:
         raise ValueError(f"the checkpoint of iteration {iteration} needs the updates {expected}, got {given}")
     optims = {wg: optim_path(experiment, run_id, iteration, wg) for wg in groups}
-    inputs = {f"policy/{wg}": expected[wg] for wg in groups} | {f"optim/{wg}": optims[wg] for wg in groups}
-    path = stage_path(experiment, run_id, iteration, "checkpoint")
-    key = cache_key(config, "checkpoint", store, inputs, iteration=iteration)
+    contract = CheckpointContract(run_id, iteration)
+    path, key = contract.output(config), cache_key(config, store, contract)
 
     def compute():
         values = {}

@@ -21,10 +21,7 @@ def evaluate(
     names the output after the eval settings, ``evaluate-{hash}``, as ``drmas eval`` does,
     so evaluations of one checkpoint on different eval sets do not overwrite each other.
     """
-    import hashlib
-    import json
-
-    from drmas.infra.caching import cache_key
+    from drmas.stages.contracts import EvaluateContract, cache_key
     from drmas.stages.evaluate import evaluate as evaluate_stage
     from drmas.generation.pool import PoolOnDemand
     from drmas.stages.io import METRICS_FILE, open_stage, publish, publish_metrics, reuse_or_compute
@@ -33,11 +30,8 @@ def evaluate(
     config, store = open_stage(config_json)
     refs = {wg: PolicyRef(**ref) for wg, ref in policies.metadata["policies"].items()}
     iteration = int(policies.metadata["iteration"])  # KFP metadata numbers come back as floats
-    if not label:
-        settings = json.dumps({"data": config.data_spec("eval"), "eval": config.eval.model_dump()}, sort_keys=True)
-        label = f"evaluate-{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
-    path = f"{policies.metadata['home']}/{label}"
-    key = cache_key(config, "evaluate", store, {f"policy/{wg}": ref.artifact for wg, ref in refs.items()})
+    contract = EvaluateContract(policies.metadata["home"], refs, label)
+    path, key = contract.output(config), cache_key(config, store, contract)
 
     def compute():
         with PoolOnDemand(config, store, None) as pool:

@@ -21,11 +21,10 @@ def rollout(
 
     Joins the RayCluster named by ``ray.address`` (or ``RAY_ADDRESS``: the one Ray of a
     kfp.local run) or starts a local Ray, and shuts down the Ray it started. The output is
-    reused when the store holds it with the same cache key (``drmas.infra.caching``) unless
+    reused when the store holds it with the same cache key (``drmas.stages.contracts``) unless
     ``force``.
     """
-    from drmas.infra.caching import cache_key
-    from drmas.infra.layout import stage_path
+    from drmas.stages.contracts import RolloutContract, cache_key
     from drmas.stages.rollout import rollout as rollout_stage
     from drmas.generation.pool import PoolOnDemand
     from drmas.stages.io import METRICS_FILE, open_stage, publish, publish_metrics, reuse_or_compute
@@ -33,8 +32,8 @@ def rollout(
 
     config, store = open_stage(config_json)
     refs = {wg: PolicyRef(**ref) for wg, ref in policies.metadata["policies"].items()}
-    path = stage_path(config.experiment.name, run_id, iteration, "rollout")
-    key = cache_key(config, "rollout", store, {f"policy/{wg}": ref.artifact for wg, ref in refs.items()}, iteration=iteration)
+    contract = RolloutContract(run_id, iteration, refs)
+    path, key = contract.output(config), cache_key(config, store, contract)
 
     def compute():
         with PoolOnDemand(config, store, None) as pool:

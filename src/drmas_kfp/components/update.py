@@ -23,33 +23,25 @@ def update(
     ``policies`` on its rows of ``batch``; ``reference`` is the KL anchor (the run's
     starting policies). Writes ``iter-{i}/policy/{wg}`` and ``iter-{i}/optim/{wg}``
     (reused when stored with the same cache key, unless ``force``)."""
-    from drmas.infra.caching import cache_key
-    from drmas.infra.layout import optim_path, policy_path, stage_path
+    from drmas.stages.contracts import UpdateContract, cache_key
     from drmas.stages.io import METRICS_FILE, expect_input, open_stage, publish, publish_metrics, reuse_or_compute
     from drmas.stages.update import update as update_stage
     from drmas.generation.workers import PolicyRef
 
     config, store = open_stage(config_json)
-    experiment = config.experiment.name
-    source = stage_path(experiment, run_id, iteration, "advantage")
-    expect_input(batch, source, store, f"the update of iteration {iteration}")
     if wg not in policies.metadata["policies"]:
         raise ValueError(f"worker group {wg!r} has no policy in {policies.metadata.get('store_uri')}")
     current = PolicyRef(**policies.metadata["policies"][wg])
     optim = PolicyRef(**policies.metadata["optims"][wg]) if policies.metadata["optims"].get(wg) else None
     anchor = PolicyRef(**reference.metadata["policies"][wg])
-    inputs = {"batch": source, "policy": current.artifact}
-    if optim is not None:
-        inputs["optim"] = optim.artifact
-    if config.algorithm.kl_coef:
-        inputs["reference"] = anchor.artifact
-    path = policy_path(experiment, run_id, iteration, wg)
-    key = cache_key(config, "update", store, inputs, iteration=iteration, wg=wg)
+    contract = UpdateContract(run_id, iteration, wg, current, optim, anchor)
+    expect_input(batch, contract.inputs(config)["batch"], store, f"the update of iteration {iteration}")
+    path, key = contract.output(config), cache_key(config, store, contract)
 
     def compute():
         update_stage(config, store, run_id, iteration, wg, current, optim, anchor, overwrite=True, cache_key=key)
 
     reuse_or_compute(store, path, key, force, compute, label=f"policy/{wg} iter {iteration}")
-    optim_out = optim_path(experiment, run_id, iteration, wg)
+    optim_out = contract.optim_output(config)
     publish(store, path, policy, iteration, wg=wg, optim=optim_out, optim_uri=store.uri(optim_out))
     publish_metrics(store.open(path).read_json(METRICS_FILE), metrics)

@@ -1,0 +1,239 @@
+"""One contract per stage: where its output goes, the artifacts it reads, the config fields
+it reads and the plain values it depends on, stated once and used by the embedded runner
+and by the stage's Kubeflow component alike; and the cache key made from it.
+
+Why one place: the key's inputs used to be built twice (runner and component) and the
+fields a stage reads were listed far from the stage, where they drifted (the update read
+``rollout.sampling`` without it being in its key, so a changed temperature would have
+reused an update computed at the old one). ``tests/test_contracts.py`` runs every stage
+with each config read recorded and fails when a stage reads a field its contract does not
+list. A field read through a config helper counts: ``config.worker_groups()`` reads the
+agents, models, workers and the training defaults that agents may override.
+
+The key follows Kubeflow's rule: a stage's output is reused when the stage, the content of
+its input artifacts, the config fields it reads, its plain values and the code version are
+all the same (``drmas.infra.caching.is_cached``); otherwise it is recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from drmas import __version__
+from drmas.config import WORKER_GROUP_FIELDS, DrmasConfig
+from drmas.infra.layout import PolicyRef, optim_path, policy_path, stage_path
+from drmas.stages.io import METRICS_FILE
+from drmas.infra.store import Store
+
+__all__ = [
+    "CONTRACTS",
+    "PLACEMENT_FIELDS",
+    "AdvantageContract",
+    "CheckpointContract",
+    "EvaluateContract",
+    "RolloutContract",
+    "StageContract",
+    "UpdateContract",
+    "cache_key",
+    "settings_label",
+]
+
+PLACEMENT_FIELDS = ("experiment.name", "store", "tracking", "ray")
+"""Where a run's outputs are kept and tracked and where its stages run: they decide where
+an output is, never what it holds, and ``store``/``tracking`` may change when a run is
+resumed. Stages read them; no key holds them."""
+
+WORKER_GROUPS = ("agents", "models", "workers", *(f"train.{name}" for name in WORKER_GROUP_FIELDS))
+"""What ``config.worker_groups()`` reads: every stage that asks for the worker groups."""
+
+POOL = (*WORKER_GROUPS, "rollout.engine", "rollout.max_prompt_tokens", "rollout.truncation")
+"""What the pool hands each worker group's runtime (engine, dtype, prompt cut, chat
+template): what a generating stage reads when it starts the pool."""
+
+
+def _fields(*names: str) -> tuple[str, ...]:
+    """``names`` sorted, without those inside another of them (``train.lr`` in ``train``)."""
+    return tuple(sorted({name for name in names if not any(name.startswith(f"{other}.") for other in names)}))
+
+
+class StageContract(ABC):
+    """What one call of a stage depends on. A subclass per stage holds the call's arguments
+    (run, iteration, policies, ...) and says where the output goes and what it is made
+    from; ``cache_key`` hashes that."""
+
+    name: ClassVar[str]
+    """The stage, as its key names it."""
+    fields: ClassVar[tuple[str, ...]]
+    """The config the stage reads (dotted paths into the resolved config), placement aside:
+    a change anywhere else leaves its output valid."""
+
+    @abstractmethod
+    def output(self, config: DrmasConfig) -> str:
+        """Where the stage writes its output (a path under the store root)."""
+
+    @abstractmethod
+    def inputs(self, config: DrmasConfig) -> dict[str, str]:
+        """The artifacts the stage reads, name -> path under the store root (the key holds
+        their content's fingerprint, not their path)."""
+
+    def values(self) -> dict[str, Any]:
+        """Plain values the output depends on beyond its inputs and config (e.g. the
+        iteration, which seeds the rollout's sampling)."""
+        return {}
+
+
+def _policy_inputs(policies: Mapping[str, PolicyRef]) -> dict[str, str]:
+    return {f"policy/{wg}": ref.artifact for wg, ref in policies.items()}
+
+
+@dataclass(frozen=True)
+class RolloutContract(StageContract):
+    """The team plays iteration ``iteration`` with ``policies`` (on a pool it starts)."""
+
+    run_id: str
+    iteration: int
+    policies: Mapping[str, PolicyRef]
+    name: ClassVar[str] = "rollout"
+    fields: ClassVar[tuple[str, ...]] = _fields("experiment.seed", "task", "data", "rollout", *POOL)
+
+    def output(self, config: DrmasConfig) -> str:
+        return stage_path(config.experiment.name, self.run_id, self.iteration, "rollout")
+
+    def inputs(self, config: DrmasConfig) -> dict[str, str]:
+        return _policy_inputs(self.policies)
+
+    def values(self) -> dict[str, Any]:
+        return {"iteration": self.iteration}
+
+
+@dataclass(frozen=True)
+class AdvantageContract(StageContract):
+    """Scores and advantages of the iteration's trajectories."""
+
+    run_id: str
+    iteration: int
+    name: ClassVar[str] = "advantage"
+    fields: ClassVar[tuple[str, ...]] = _fields("algorithm")
+
+    def output(self, config: DrmasConfig) -> str:
+        return stage_path(config.experiment.name, self.run_id, self.iteration, "advantage")
+
+    def inputs(self, config: DrmasConfig) -> dict[str, str]:
+        return {"rollout": stage_path(config.experiment.name, self.run_id, self.iteration, "rollout")}
+
+
+@dataclass(frozen=True)
+class UpdateContract(StageContract):
+    """Worker group ``wg``'s step from ``policy`` (and ``optim``; None: a fresh optimizer)
+    on its rows of the iteration's batch; ``reference`` is the KL anchor, an input only
+    when the loss has a KL term. It reads ``rollout.sampling``: the trainer's log-probs are
+    taken at each agent's sampling temperature."""
+
+    run_id: str
+    iteration: int
+    wg: str
+    policy: PolicyRef
+    optim: PolicyRef | None
+    reference: PolicyRef
+    name: ClassVar[str] = "update"
+    fields: ClassVar[tuple[str, ...]] = _fields("experiment.seed", "algorithm", "train", "diagnostics", "rollout.sampling", *WORKER_GROUPS)
+
+    def output(self, config: DrmasConfig) -> str:
+        """The new policy; its manifest carries the key (the optimizer state is beside it:
+        ``optim_output``)."""
+        return policy_path(config.experiment.name, self.run_id, self.iteration, self.wg)
+
+    def optim_output(self, config: DrmasConfig) -> str:
+        """The optimizer state the update writes with the policy."""
+        return optim_path(config.experiment.name, self.run_id, self.iteration, self.wg)
+
+    def inputs(self, config: DrmasConfig) -> dict[str, str]:
+        inputs = {"batch": stage_path(config.experiment.name, self.run_id, self.iteration, "advantage"), "policy": self.policy.artifact}
+        if self.optim is not None:
+            inputs["optim"] = self.optim.artifact
+        if config.algorithm.kl_coef:
+            inputs["reference"] = self.reference.artifact
+        return inputs
+
+    def values(self) -> dict[str, Any]:
+        return {"iteration": self.iteration, "wg": self.wg}
+
+
+def settings_label(config: DrmasConfig) -> str:
+    """``evaluate-{hash}``: an evaluation named after its eval set and settings, so that
+    evaluations of one checkpoint on different eval sets do not overwrite each other."""
+    settings = json.dumps({"data": config.data_spec("eval"), "eval": config.eval.model_dump()}, sort_keys=True)
+    return f"evaluate-{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
+
+
+@dataclass(frozen=True)
+class EvaluateContract(StageContract):
+    """The team with ``policies`` on the eval set, written to ``{home}/{label}`` (an empty
+    label: ``settings_label``). It reads ``rollout.sampling`` because the team it plays
+    with resolves every agent's rollout sampling before evaluation replaces it."""
+
+    home: str
+    policies: Mapping[str, PolicyRef]
+    label: str = "evaluate"
+    name: ClassVar[str] = "evaluate"
+    fields: ClassVar[tuple[str, ...]] = _fields("experiment.seed", "task", "data", "eval", "rollout.sampling", *POOL)
+
+    def output(self, config: DrmasConfig) -> str:
+        return f"{self.home}/{self.label or settings_label(config)}"
+
+    def inputs(self, config: DrmasConfig) -> dict[str, str]:
+        return _policy_inputs(self.policies)
+
+
+@dataclass(frozen=True)
+class CheckpointContract(StageContract):
+    """The commit of the iteration: every worker group's new policy and optimizer state."""
+
+    run_id: str
+    iteration: int
+    name: ClassVar[str] = "checkpoint"
+    fields: ClassVar[tuple[str, ...]] = _fields(*WORKER_GROUPS)
+
+    def output(self, config: DrmasConfig) -> str:
+        return stage_path(config.experiment.name, self.run_id, self.iteration, "checkpoint")
+
+    def inputs(self, config: DrmasConfig) -> dict[str, str]:
+        experiment, groups = config.experiment.name, [group.name for group in config.worker_groups()]
+        policies = {f"policy/{wg}": policy_path(experiment, self.run_id, self.iteration, wg) for wg in groups}
+        return policies | {f"optim/{wg}": optim_path(experiment, self.run_id, self.iteration, wg) for wg in groups}
+
+    def values(self) -> dict[str, Any]:
+        return {"iteration": self.iteration}
+
+
+CONTRACTS: dict[str, type[StageContract]] = {
+    contract.name: contract for contract in (RolloutContract, AdvantageContract, UpdateContract, EvaluateContract, CheckpointContract)
+}
+"""Stage name -> its contract."""
+
+
+def _select(resolved: dict[str, Any], dotted: str) -> Any:
+    node: Any = resolved
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def cache_key(config: DrmasConfig, store: Store, stage: StageContract) -> str:
+    """The key of one call of a stage: its name, its input artifacts' content, the config
+    fields it reads, its plain values and the code version."""
+    resolved = json.loads(config.to_json())
+    payload = {
+        "stage": stage.name,
+        "config": {field: _select(resolved, field) for field in stage.fields},
+        # metrics.json reports timings: it is not an input, and would make every key new.
+        "inputs": {name: store.fingerprint(path, ignore=(METRICS_FILE,)) for name, path in sorted(stage.inputs(config).items())},
+        "values": stage.values(),
+        "code": __version__,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
