@@ -337,9 +337,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     """Evaluate a checkpoint; results go to ``iter-I/evaluate-{hash of the eval settings}``."""
-    import hashlib  # noqa: PLC0415
-    import json  # noqa: PLC0415
-
+    from drmas.stages.contracts import settings_label  # noqa: PLC0415
     from drmas.stages.evaluate import evaluate  # noqa: PLC0415
     from drmas.infra.layout import policy_path, stage_path  # noqa: PLC0415
     from drmas.generation.pool import RayPool, connect_ray  # noqa: PLC0415
@@ -360,8 +358,7 @@ def _eval(args: argparse.Namespace) -> int:
             iteration = resume_point(config, store, args.run_id).next_iteration - 1
         if iteration < 0 or not store.exists(stage_path(experiment, args.run_id, iteration, "checkpoint")):
             return _fail("eval", f"run {args.run_id} has no checkpoint for iteration {iteration}")
-        settings = json.dumps({"data": config.data_spec("eval"), "eval": config.eval.model_dump()}, sort_keys=True)
-        path = stage_path(experiment, args.run_id, iteration, f"evaluate-{hashlib.sha256(settings.encode()).hexdigest()[:8]}")
+        path = stage_path(experiment, args.run_id, iteration, settings_label(config))
         if store.exists(path):
             metrics = store.open(path).read_json("metrics.json")
         else:
