@@ -20,9 +20,8 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
-
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -32,9 +31,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the oracle lives with the tests
 
-from oracle import loop_advantages  # noqa: E402
+from oracle import loop_advantages
 
-from drmas.algos import compute_advantages  # noqa: E402
+from drmas.algos import compute_advantages
 
 ROLLOUTS_PER_PROMPT = 8
 AGENTS = np.array(["solver", "verifier", "answer"])
@@ -145,16 +144,20 @@ def main() -> None:
     header = f"{'mode':6} {'method':19} {'seconds':>8} {'rows/s':>12} {'vs oracle':>10} {'vs tensor loop':>15}"
     print(header)
     for mode in ("grpo", "drmas"):
-        oracle_s = timed(lambda: loop_advantages(head_score, *head_columns, mode), repeats=1)
+        oracle_s = timed(lambda mode=mode: loop_advantages(head_score, *head_columns, mode), repeats=1)
         oracle_rate = args.oracle_rows / oracle_s
-        tensor_s = timed(lambda: tensor_loop(small_score, *head_columns, mode), repeats=1)
+        tensor_s = timed(lambda mode=mode: tensor_loop(small_score, *head_columns, mode), repeats=1)
         tensor_rate = small / tensor_s
         measured = [
             ("loop oracle", rows / oracle_rate, f"(timed on {args.oracle_rows:,} rows, scaled)"),
             ("tensor loop", rows / tensor_rate, f"(timed on {small:,} rows, scaled)"),
         ]
-        for label, columns in (("vectorised, strings", [plain[k] for k in keys]), ("vectorised, dict", [encoded[k] for k in keys]), ("vectorised, numpy", numpy_keys)):
-            seconds = timed(lambda: compute_advantages(score, *columns, mode))
+        for label, columns in (
+            ("vectorised, strings", [plain[k] for k in keys]),
+            ("vectorised, dict", [encoded[k] for k in keys]),
+            ("vectorised, numpy", numpy_keys),
+        ):
+            seconds = timed(lambda columns=columns, mode=mode: compute_advantages(score, *columns, mode))
             measured.append((label, seconds, ""))
         for label, seconds, note in measured:
             rate = rows / seconds

@@ -39,7 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from common import THREADS_HELP, busy, read_timings, timer_env  # noqa: E402
+from common import THREADS_HELP, busy, read_timings, timer_env
 
 CONFIG = ROOT / "configs" / "math_tiny.yaml"
 STAGES = ("stage/rollout", "stage/advantage", "stage/update", "stage/checkpoint")
@@ -48,10 +48,10 @@ STAGES = ("stage/rollout", "stage/advantage", "stage/update", "stage/checkpoint"
 def prepare_warm_start(overrides: list[str], run_ids: list[str]) -> tuple[float, str]:
     """Warm-start once (in this process) and copy the initial and warm-started policies
     into every run: deterministic given the config, so each run would compute the same."""
-    from drmas.config import load_config  # noqa: PLC0415
-    from drmas.infra.layout import run_path  # noqa: PLC0415
-    from drmas.runner import open_run, starting_policies  # noqa: PLC0415
-    from drmas.infra.store import Store  # noqa: PLC0415
+    from drmas.config import load_config
+    from drmas.infra.layout import run_path
+    from drmas.infra.store import Store
+    from drmas.runner import open_run, starting_policies
 
     config = load_config(CONFIG, overrides)
     store = Store(config.store.root)
@@ -72,7 +72,12 @@ def run_mode(mode: str, overrides: list[str], folder: Path, threads: int) -> tup
     """``drmas run`` as a subprocess with the timers on; returns wall seconds, its pid, the timings."""
     folder.mkdir(parents=True, exist_ok=True)
     timings = folder / "timings.jsonl"
-    env = {**os.environ, **timer_env(timings, folder / "site", threads), "HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    env = {
+        **os.environ,
+        **timer_env(timings, folder / "site", threads),
+        "HF_HUB_OFFLINE": "1",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+    }
     via = ["--via", "kfp-local"] if mode == "kfp-local" else []
     command = [sys.executable, "-m", "drmas.cli", "run", str(CONFIG), "--run-id", mode, *via, *overrides]
     with open(folder / "output.log", "w") as log:
@@ -100,14 +105,23 @@ def breakdown(events: list[dict], start: float, end: float, driver: int) -> dict
     """Seconds of each part of one iteration window."""
     b = {name: busy(events, name, start, end) for name in {e["name"] for e in events}}
     get = lambda name: b.get(name, 0.0)  # noqa: E731
-    parts = {"wall": end - start, "generate": get("generate"), "fwd_bwd": get("fwd_bwd"), "optimizer": get("optimizer_step")}
+    parts = {
+        "wall": end - start,
+        "generate": get("generate"),
+        "fwd_bwd": get("fwd_bwd"),
+        "optimizer": get("optimizer_step"),
+    }
     parts["compute"] = parts["generate"] + parts["fwd_bwd"] + parts["optimizer"]
     parts["rollout: policy reload in the actors"] = get("actor/load_policy")
     parts["rollout: Ray calls beyond generate/load (actor start, transfer, tokenise)"] = max(
         0.0, get("ray/generate_call") + get("ray/load_call") - parts["generate"] - get("actor/load_policy")
     )
-    parts["rollout: rest (questions, episodes, Parquet)"] = max(0.0, get("stage/rollout") - get("ray/generate_call") - get("ray/load_call"))
-    parts["update: load/save model and optimizer, read batch"] = max(0.0, get("stage/update") - parts["fwd_bwd"] - parts["optimizer"])
+    parts["rollout: rest (questions, episodes, Parquet)"] = max(
+        0.0, get("stage/rollout") - get("ray/generate_call") - get("ray/load_call")
+    )
+    parts["update: load/save model and optimizer, read batch"] = max(
+        0.0, get("stage/update") - parts["fwd_bwd"] - parts["optimizer"]
+    )
     parts["advantage stage"] = get("stage/advantage")
     parts["checkpoint stage"] = get("stage/checkpoint")
     outside = parts["wall"] - sum(get(name) for name in STAGES)
@@ -118,9 +132,15 @@ def breakdown(events: list[dict], start: float, end: float, driver: int) -> dict
     for method, seconds in tracking.items():
         parts[f"  of which Tracker.{method}"] = seconds
     parts["between stages: cache keys"] = get("cache_key")
-    processes = [e for e in events if e["name"] == "process" and e["pid"] != driver and start <= e["t0"] < end and e["t1"] - e["t0"] > 0.5]
+    processes = [
+        e
+        for e in events
+        if e["name"] == "process" and e["pid"] != driver and start <= e["t0"] < end and e["t1"] - e["t0"] > 0.5
+    ]
     parts["task processes"] = float(len(processes))
-    parts["between stages: rest (process start-up, imports, kfp, ...)"] = max(0.0, outside - ray_start - sum(tracking.values()) - get("cache_key"))
+    parts["between stages: rest (process start-up, imports, kfp, ...)"] = max(
+        0.0, outside - ray_start - sum(tracking.values()) - get("cache_key")
+    )
     return parts
 
 
@@ -138,29 +158,42 @@ def report(mode: str, seconds: float, driver: int, timings: Path, metrics: list[
     first = per_iteration[0]
     overhead = 1 - mean["compute"] / mean["wall"]
     print(f"\n== {mode}: drmas run took {seconds:.0f} s in all; {len(spans)} iterations")
-    top = sorted(((k, v) for k, v in first.items() if (":" in k or k.endswith("stage")) and not k.startswith("  ")), key=lambda kv: -kv[1])[:3]
-    print(f"iteration 0: {first['wall']:.1f} s, overhead {1 - first['compute'] / first['wall']:.0%}; most of it: "
-          + ", ".join(f"{key} {value:.1f} s" for key, value in top))
+    top = sorted(
+        ((k, v) for k, v in first.items() if (":" in k or k.endswith("stage")) and not k.startswith("  ")),
+        key=lambda kv: -kv[1],
+    )[:3]
+    print(
+        f"iteration 0: {first['wall']:.1f} s, overhead {1 - first['compute'] / first['wall']:.0%}; most of it: "
+        + ", ".join(f"{key} {value:.1f} s" for key, value in top)
+    )
     label = f"iterations 1..{len(spans) - 1}" if len(spans) > 1 else "iteration 0"
-    print(f"{label} (mean): {mean['wall']:.1f} s; generate {mean['generate']:.2f} s, forward/backward {mean['fwd_bwd']:.2f} s, "
-          f"optimizer {mean['optimizer']:.2f} s -> OVERHEAD {overhead:.0%}")
+    print(
+        f"{label} (mean): {mean['wall']:.1f} s; generate {mean['generate']:.2f} s, forward/backward {mean['fwd_bwd']:.2f} s, "
+        f"optimizer {mean['optimizer']:.2f} s -> OVERHEAD {overhead:.0%}"
+    )
     print("  where the overhead goes (s per iteration, share of the iteration):")
     rest = [(k, v) for k, v in mean.items() if (":" in k or k.endswith("stage")) and not k.startswith("  ")]
     for key, value in sorted(rest, key=lambda kv: -kv[1]):
         print(f"    {value:6.2f} s {value / mean['wall']:5.1%}  {key}")
         if key == "between stages: MLflow tracking":
-            for sub, seconds in sorted(((k, v) for k, v in mean.items() if k.startswith("  of which") and v > 0.005), key=lambda kv: -kv[1]):
+            for sub, seconds in sorted(
+                ((k, v) for k, v in mean.items() if k.startswith("  of which") and v > 0.005), key=lambda kv: -kv[1]
+            ):
                 print(f"    {seconds:6.2f} s {seconds / mean['wall']:5.1%}  {sub}")
     if mean["task processes"]:
         print(f"  task processes started per iteration: {mean['task processes']:.0f}")
     run_span = (spans[0][0], spans[-1][1])
     driver_life = next((e for e in events if e["name"] == "process" and e["pid"] == driver), None)
     if driver_life is not None:
-        print(f"  whole command: {driver_life['t1'] - driver_life['t0']:.1f} s = before iteration 0 {run_span[0] - driver_life['t0']:.1f} s "
-              f"(start-up, config, warm start reused) + iterations {run_span[1] - run_span[0]:.1f} s + after {driver_life['t1'] - run_span[1]:.1f} s "
-              "(report, model registry, shutdown)")
+        print(
+            f"  whole command: {driver_life['t1'] - driver_life['t0']:.1f} s = before iteration 0 {run_span[0] - driver_life['t0']:.1f} s "
+            f"(start-up, config, warm start reused) + iterations {run_span[1] - run_span[0]:.1f} s + after {driver_life['t1'] - run_span[1]:.1f} s "
+            "(report, model registry, shutdown)"
+        )
     if metrics:
-        keys = sorted({k for m in metrics for k in m if k.startswith("time/") or (k.startswith("wg/") and k.endswith("/time"))})
+        keys = sorted(
+            {k for m in metrics for k in m if k.startswith("time/") or (k.startswith("wg/") and k.endswith("/time"))}
+        )
         steady_metrics = metrics[1:] if len(metrics) > 1 else metrics
         shown = ", ".join(f"{k} {sum(m.get(k, 0.0) for m in steady_metrics) / len(steady_metrics):.2f}" for k in keys)
         print(f"  drmas's own timings (checkpoint metrics.json, mean of the same iterations): {shown}")
@@ -169,7 +202,9 @@ def report(mode: str, seconds: float, driver: int, timings: Path, metrics: list[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iterations", type=int, default=4, help="RL iterations per mode (iteration 0 is reported apart)")
+    parser.add_argument(
+        "--iterations", type=int, default=4, help="RL iterations per mode (iteration 0 is reported apart)"
+    )
     parser.add_argument("--warmstart-steps", type=int, default=300, help="warm-start steps (done once, not timed)")
     parser.add_argument("--modes", default="embedded,kfp-local", help="comma-separated: embedded, kfp-local")
     parser.add_argument("--threads", type=int, default=1, help=THREADS_HELP)
@@ -186,13 +221,15 @@ def main() -> None:
             f"store.root={scratch / 'store'}",
             *args.overrides,
         ]
-        print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores "
-              "(other processes on the machine inflate every part; the shares are what to read)")
+        print(
+            f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores "
+            "(other processes on the machine inflate every part; the shares are what to read)"
+        )
         if args.threads > 0:
-            import torch  # noqa: PLC0415
+            import torch
 
             torch.set_num_threads(args.threads)
-        import transformers  # noqa: PLC0415
+        import transformers
 
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
@@ -204,8 +241,10 @@ def main() -> None:
             results[mode] = report(mode, seconds, pid, timings, stored_metrics(scratch / "store", experiment, mode))
         if len(results) == 2:
             emb, kfp = results["embedded"], results["kfp-local"]
-            print(f"\niteration wall time kfp-local / embedded: {kfp['wall'] / emb['wall']:.2f}x; "
-                  f"overhead embedded {emb['overhead']:.0%}, kfp-local {kfp['overhead']:.0%}")
+            print(
+                f"\niteration wall time kfp-local / embedded: {kfp['wall'] / emb['wall']:.2f}x; "
+                f"overhead embedded {emb['overhead']:.0%}, kfp-local {kfp['overhead']:.0%}"
+            )
         print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

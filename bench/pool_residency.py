@@ -20,14 +20,14 @@ from pathlib import Path
 import ray
 
 from drmas.config import load_config
-from drmas.stages.policies import init_policies
 from drmas.generation.pool import RayPool, connect_ray
-from drmas.stages.rollout import rollout
 from drmas.infra.store import Store
+from drmas.stages.policies import init_policies
+from drmas.stages.rollout import rollout
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from common import MODEL_20M  # noqa: E402
+from common import MODEL_20M
 
 
 def rss(pid: int) -> int:
@@ -52,7 +52,7 @@ class PeakRss:
             self.peak = max(self.peak, sum(rss(pid) for pid in self.pids))
             time.sleep(0.02)
 
-    def __enter__(self) -> "PeakRss":
+    def __enter__(self) -> PeakRss:
         self._thread.start()
         return self
 

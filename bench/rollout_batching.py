@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from drmas.config import SamplingConfig, load_config
-from drmas.team.episodes import Episode
+from drmas.generation.workers import WorkerGroupRuntime
+from drmas.infra.store import Store
 from drmas.stages.policies import init_policies
 from drmas.stages.rollout import task_questions
 from drmas.team.agents import SolverAgent
-from drmas.infra.store import Store
-from drmas.generation.workers import WorkerGroupRuntime
+from drmas.team.episodes import Episode
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,7 +49,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         store = Store(f"{scratch}/store")
         [policy] = init_policies(config, store, "bench").values()
-        worker = WorkerGroupRuntime("solver-verifier", store.settings(), cache_dir=f"{scratch}/cache", threads=args.threads)
+        worker = WorkerGroupRuntime(
+            "solver-verifier", store.settings(), cache_dir=f"{scratch}/cache", threads=args.threads
+        )
         worker.load_policy(policy)
         solver = SolverAgent()
         questions = task_questions(config, "train")[: args.episodes]
@@ -69,7 +71,9 @@ def main() -> None:
     batched_tokens = sum(len(r.response_ids) for r in batched)
     single_tokens = sum(len(r.response_ids) for r in single)
     batched_rate, single_rate = batched_tokens / batched_s, single_tokens / single_s
-    print(f"model {params / 1e6:.2f}M params, {args.episodes} episodes, prompts ~{len(batched[0].prompt_ids)} tokens, threads {args.threads}")
+    print(
+        f"model {params / 1e6:.2f}M params, {args.episodes} episodes, prompts ~{len(batched[0].prompt_ids)} tokens, threads {args.threads}"
+    )
     print(f"batched     {batched_tokens:6d} tokens {batched_s:7.2f} s {batched_rate:9.0f} tok/s")
     print(f"per episode {single_tokens:6d} tokens {single_s:7.2f} s {single_rate:9.0f} tok/s")
     print(f"ratio batched / per-episode: {batched_rate / single_rate:.1f}x")

@@ -50,7 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from common import MODEL_20M, THREADS_HELP, busy, install_timers, read_timings, timer_env  # noqa: E402
+from common import MODEL_20M, THREADS_HELP, busy, install_timers, read_timings, timer_env
 
 SIZES = {"small": [], "20m": MODEL_20M}
 """Model overrides per size: the shipped tiny model (~1M parameters) and ~20M."""
@@ -63,7 +63,7 @@ STEPS = {"small": 20, "20m": 5}
 
 
 def drmas_config(size: str, args: argparse.Namespace, scratch: Path):
-    from drmas.config import load_config  # noqa: PLC0415
+    from drmas.config import load_config
 
     warm = WARMSTART[size] if args.warmstart_steps is None else args.warmstart_steps
     steps = STEPS[size] if args.steps is None else args.steps
@@ -122,20 +122,20 @@ class Clock:
 
 
 def run_size(size: str, args: argparse.Namespace, scratch: Path, timings: Path) -> dict:
-    import torch  # noqa: PLC0415
-    from datasets import Dataset  # noqa: PLC0415
-    from transformers import PrinterCallback, TrainerCallback  # noqa: PLC0415
-    from trl import GRPOConfig, GRPOTrainer  # noqa: PLC0415
+    import torch
+    from datasets import Dataset
+    from transformers import PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
 
-    from drmas.team.agents import SolverAgent  # noqa: PLC0415
-    from drmas.team.episodes import Episode  # noqa: PLC0415
-    from drmas.models import load_model, load_tokenizer  # noqa: PLC0415
-    from drmas.stages.rollout import draw_questions, task_questions  # noqa: PLC0415
-    from drmas.generation.pool import PoolOnDemand  # noqa: PLC0415
-    from drmas.runner import open_run, run_iteration, starting_policies  # noqa: PLC0415
-    from drmas.infra.store import Store  # noqa: PLC0415
-    from drmas.tasks.math import math_reward  # noqa: PLC0415
-    from drmas.generation.workers import _stop_ids  # noqa: PLC0415
+    from drmas.generation.pool import PoolOnDemand
+    from drmas.generation.workers import _stop_ids
+    from drmas.infra.store import Store
+    from drmas.models import load_model, load_tokenizer
+    from drmas.runner import open_run, run_iteration, starting_policies
+    from drmas.stages.rollout import draw_questions, task_questions
+    from drmas.tasks.math import math_reward
+    from drmas.team.agents import SolverAgent
+    from drmas.team.episodes import Episode
 
     config = drmas_config(size, args, scratch)
     steps = config.experiment.iterations
@@ -158,10 +158,15 @@ def run_size(size: str, args: argparse.Namespace, scratch: Path, timings: Path) 
     drawn = [q for i in range(steps) for q in draw_questions(train_questions, args.prompts, i, seed)]
     by_qid = {q.qid: q for q in drawn}
     solver = SolverAgent()
-    rows = [{"prompt": [{"role": "user", "content": solver.prompt(Episode("u", "t", 0, q), 1)}], "qid": q.qid} for q in drawn]
+    rows = [
+        {"prompt": [{"role": "user", "content": solver.prompt(Episode("u", "t", 0, q), 1)}], "qid": q.qid}
+        for q in drawn
+    ]
     text = tokenizer.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, tokenize=False)
     drmas_ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # as WorkerGroupRuntime._encode
-    trl_ids = tokenizer.apply_chat_template([rows[0]["prompt"]], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"][0]
+    trl_ids = tokenizer.apply_chat_template(
+        [rows[0]["prompt"]], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"][0]
     if list(trl_ids) != drmas_ids:
         raise SystemExit(f"prompt tokens differ: drmas {drmas_ids} vs TRL {list(trl_ids)}")
 
@@ -290,7 +295,13 @@ def run_size(size: str, args: argparse.Namespace, scratch: Path, timings: Path) 
         }
         for clock, tokens, value in zip(trl_clock.steps, trl_tokens, trl_rewards, strict=True)
     ]
-    return {"params": params, "warm_s": warm_s, "drmas": drmas_steps, "trl": trl_steps, "threads": torch.get_num_threads()}
+    return {
+        "params": params,
+        "warm_s": warm_s,
+        "drmas": drmas_steps,
+        "trl": trl_steps,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def rate(steps: list[dict]) -> tuple[float, float, float]:
@@ -307,30 +318,42 @@ def share(steps: list[dict], key: str) -> float:
 
 def report(size: str, result: dict) -> None:
     drmas, trl = result["drmas"], result["trl"]
-    print(f"\n== {size}: {result['params'] / 1e6:.2f}M params, warm start {result['warm_s']:.0f} s, {len(drmas)} steps each, "
-          f"torch threads {result['threads']}")
-    print(f"{'':6} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'first step s':>12}   share of step time: "
-          f"generate / fwd+bwd / optimizer / rest")
+    print(
+        f"\n== {size}: {result['params'] / 1e6:.2f}M params, warm start {result['warm_s']:.0f} s, {len(drmas)} steps each, "
+        f"torch threads {result['threads']}"
+    )
+    print(
+        f"{'':6} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'first step s':>12}   share of step time: "
+        f"generate / fwd+bwd / optimizer / rest"
+    )
     rates = {}
     for name, steps in (("drmas", drmas), ("TRL", trl)):
         tokens, seconds, tok_s = rate(steps)
         rates[name] = tok_s
         gen, fb, opt = share(steps, "generate"), share(steps, "fwd_bwd"), share(steps, "optimizer_step")
-        print(f"{name:6} {tokens:7.0f} {seconds:8.1f} {tok_s:8.0f} {steps[0]['wall']:12.1f}   "
-              f"{gen:5.0%} / {fb:5.0%} / {opt:5.0%} / {1 - gen - fb - opt:5.0%}")
+        print(
+            f"{name:6} {tokens:7.0f} {seconds:8.1f} {tok_s:8.0f} {steps[0]['wall']:12.1f}   "
+            f"{gen:5.0%} / {fb:5.0%} / {opt:5.0%} / {1 - gen - fb - opt:5.0%}"
+        )
     print(f"ratio drmas / TRL (completion tokens/s, steps 2..{len(drmas)}): {rates['drmas'] / rates['TRL']:.2f}x")
     timed = drmas[1:] if len(drmas) > 1 else drmas
     mean = {k: sum(s[k] for s in timed) / len(timed) for k in ("wall", *DRMAS_PARTS)}
     stages = mean["rollout_stage"] + mean["advantage_stage"] + mean["update_stage"] + mean["checkpoint_stage"]
-    print(f"drmas per iteration (mean s): wall {mean['wall']:.2f} = rollout stage {mean['rollout_stage']:.2f} "
-          f"(generate {mean['generate']:.2f}, policy reload in the actor {mean['policy_reload']:.2f}) + advantage "
-          f"{mean['advantage_stage']:.2f} + update stage {mean['update_stage']:.2f} (fwd+bwd {mean['fwd_bwd']:.2f}, "
-          f"optimizer {mean['optimizer_step']:.2f}, the rest: load, save policy and optimizer state) + checkpoint "
-          f"{mean['checkpoint_stage']:.2f} + between stages {mean['wall'] - stages:.2f}")
+    print(
+        f"drmas per iteration (mean s): wall {mean['wall']:.2f} = rollout stage {mean['rollout_stage']:.2f} "
+        f"(generate {mean['generate']:.2f}, policy reload in the actor {mean['policy_reload']:.2f}) + advantage "
+        f"{mean['advantage_stage']:.2f} + update stage {mean['update_stage']:.2f} (fwd+bwd {mean['fwd_bwd']:.2f}, "
+        f"optimizer {mean['optimizer_step']:.2f}, the rest: load, save policy and optimizer state) + checkpoint "
+        f"{mean['checkpoint_stage']:.2f} + between stages {mean['wall'] - stages:.2f}"
+    )
     timed = trl[1:] if len(trl) > 1 else trl
-    mean = {k: sum(s[k] for s in timed) / len(timed) for k in ("wall", "generate", "reward_fn", "fwd_bwd", "optimizer_step")}
-    print(f"TRL per step (mean s): wall {mean['wall']:.2f}, generate {mean['generate']:.2f}, reward {mean['reward_fn']:.3f}, "
-          f"fwd+bwd {mean['fwd_bwd']:.2f}, optimizer {mean['optimizer_step']:.2f}")
+    mean = {
+        k: sum(s[k] for s in timed) / len(timed) for k in ("wall", "generate", "reward_fn", "fwd_bwd", "optimizer_step")
+    }
+    print(
+        f"TRL per step (mean s): wall {mean['wall']:.2f}, generate {mean['generate']:.2f}, reward {mean['reward_fn']:.3f}, "
+        f"fwd+bwd {mean['fwd_bwd']:.2f}, optimizer {mean['optimizer_step']:.2f}"
+    )
     print("reward per step (mean over the batch):")
     print("  drmas " + " ".join(f"{s['reward']:.2f}" for s in drmas))
     print("  TRL   " + " ".join(f"{s['reward']:.2f}" for s in trl))
@@ -344,7 +367,12 @@ def report(size: str, result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=("small", "20m", "both"), default="both")
-    parser.add_argument("--steps", type=int, default=None, help=f"optimizer steps per trainer (the first is a warm-up, not timed); default per size: {STEPS}")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"optimizer steps per trainer (the first is a warm-up, not timed); default per size: {STEPS}",
+    )
     parser.add_argument("--warmstart-steps", type=int, default=None, help=f"default per size: {WARMSTART}")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt (TRL num_generations)")
@@ -360,7 +388,7 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
-    import transformers  # noqa: PLC0415
+    import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -370,12 +398,14 @@ def main() -> None:
         os.environ.update(timer_env(timings, scratch / "site", args.threads))  # Ray workers inherit it
         install_timers(timings)
         if args.threads > 0:
-            import torch  # noqa: PLC0415
+            import torch
 
             torch.set_num_threads(args.threads)  # TRL, and drmas's update (in this process)
-        print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores "
-              "(other processes on the machine slow both trainers alike: they alternate)")
-        for size in (("small", "20m") if args.size == "both" else (args.size,)):
+        print(
+            f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores "
+            "(other processes on the machine slow both trainers alike: they alternate)"
+        )
+        for size in ("small", "20m") if args.size == "both" else (args.size,):
             report(size, run_size(size, args, scratch / size, timings))
         print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     finally:

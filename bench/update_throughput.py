@@ -12,24 +12,24 @@ response tokens through forward and backward), the fraction of the matmul peak r
 from __future__ import annotations
 
 import argparse
-import sys
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import torch  # noqa: E402
+import torch
 
-from drmas.config import load_config  # noqa: E402
-from drmas.models import build_scratch_policy, load_model  # noqa: E402
+from drmas.config import load_config
+from drmas.models import build_scratch_policy, load_model
 from drmas.training.engines import make_engine
-from drmas.training.loop import train_worker_group  # noqa: E402
+from drmas.training.loop import train_worker_group
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from common import MODEL_20M  # noqa: E402
+from common import MODEL_20M
 
 UPDATE_SETTINGS = [*MODEL_20M, "workers.sharing=by_model", "train.micro_batch_size=16"]
 
@@ -68,7 +68,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     peaks = {"float32": matmul_peak(torch.float32), "bfloat16": matmul_peak(torch.bfloat16)}
-    print(f"matmul peak: fp32 {peaks['float32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.1f} GFLOP/s ({args.threads} threads)")
+    print(
+        f"matmul peak: fp32 {peaks['float32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.1f} GFLOP/s ({args.threads} threads)"
+    )
     cases = [
         ("torch fp32", ["train.backend=torch"], "float32"),
         ("torch bf16", ["train.backend=torch", "models.tiny.dtype=bfloat16"], "bfloat16"),
@@ -79,7 +81,10 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         for label, overrides, dtype in cases:
-            config = load_config(ROOT / "configs" / "math_tiny.yaml", [*UPDATE_SETTINGS, *overrides, f"train.updates_per_iteration={args.steps}"])
+            config = load_config(
+                ROOT / "configs" / "math_tiny.yaml",
+                [*UPDATE_SETTINGS, *overrides, f"train.updates_per_iteration={args.steps}"],
+            )
             group = config.worker_groups()[0]
             folder = Path(scratch) / dtype
             if not folder.exists():
@@ -98,7 +103,9 @@ def main() -> None:
             rate = tokens / seconds
             results[label] = rate
             mfu = rate * 6 * params / peaks[dtype]
-            print(f"{label:16} {params / 1e6:5.1f}M params {rate:8.0f} train tok/s  {100 * mfu:5.1f}% of the {dtype} matmul peak")
+            print(
+                f"{label:16} {params / 1e6:5.1f}M params {rate:8.0f} train tok/s  {100 * mfu:5.1f}% of the {dtype} matmul peak"
+            )
     base = results["torch fp32"]
     print("ratios to torch fp32: " + ", ".join(f"{label} {rate / base:.2f}x" for label, rate in results.items()))
 

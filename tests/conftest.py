@@ -11,8 +11,8 @@ import secrets
 import uuid
 
 import pytest
-
 from locals3 import LocalS3Server
+
 from drmas.infra.store import Store
 
 S3_BUCKET = "drmas-test"
@@ -58,7 +58,9 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory):
     from drmas.config import DrmasConfig
     from drmas.generation.pool import connect_ray
 
-    config = DrmasConfig.model_validate({"agents": [{"name": "solver", "model": "m"}, {"name": "verifier", "model": "m"}]})
+    config = DrmasConfig.model_validate(
+        {"agents": [{"name": "solver", "model": "m"}, {"name": "verifier", "model": "m"}]}
+    )
     started = connect_ray(config, tmp_path_factory.mktemp("ray"))
     yield
     if started:

@@ -47,7 +47,9 @@ class FaultProxy:
     """A threaded proxy to ``upstream`` (http://host:port) that injects ``faults``: a
     fault name -> the fraction of requests that get it (fractions add up to at most 1)."""
 
-    def __init__(self, upstream: str, faults: Mapping[str, float] | None = None, seed: int = 0, stall_s: float = 60.0) -> None:
+    def __init__(
+        self, upstream: str, faults: Mapping[str, float] | None = None, seed: int = 0, stall_s: float = 60.0
+    ) -> None:
         host, _, port = upstream.removeprefix("http://").rstrip("/").partition(":")
         self.upstream = (host, int(port or 80))
         self.stall_s = stall_s

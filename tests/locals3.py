@@ -104,10 +104,8 @@ class LocalS3Server:
             "AWS_ACCESS_KEY_ID": self.access_key,
             "AWS_SECRET_ACCESS_KEY": self.secret_key,
         }
-        log = open(self.data_dir / "weed.log", "ab")  # noqa: SIM115 - owned by the process
-        self.process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        log = open(self.data_dir / "weed.log", "ab")
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         self._wait_ready()
         return self
@@ -116,9 +114,7 @@ class LocalS3Server:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(
-                    f"weed exited with {self.process.returncode}; see {self.data_dir / 'weed.log'}"
-                )
+                raise RuntimeError(f"weed exited with {self.process.returncode}; see {self.data_dir / 'weed.log'}")
             if self._buckets_ready():
                 return
             time.sleep(0.2)
@@ -128,14 +124,14 @@ class LocalS3Server:
     def _buckets_ready(self) -> bool:
         """True once the S3 port answers and the requested buckets exist."""
         try:
-            urllib.request.urlopen(self.endpoint, timeout=1)  # noqa: S310 - our own loopback
+            urllib.request.urlopen(self.endpoint, timeout=1)
         except urllib.error.HTTPError:
             pass  # an S3 error reply (403 for anonymous) means the server is up
         except OSError:
             return False
         if not self.buckets:
             return True
-        import pyarrow.fs as pafs  # noqa: PLC0415
+        import pyarrow.fs as pafs
 
         fs = pafs.S3FileSystem(
             endpoint_override=self.endpoint.removeprefix("http://"),

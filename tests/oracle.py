@@ -40,7 +40,7 @@ def loop_advantages(score, uid, traj_uid, agent, mode, eps=1e-6, scale_by_std=Tr
         groups = [(uid[i], agent[i]) for i in rows]
     stats = {g: _mean_std(v) for g, v in group_values.items()}
     result = []
-    for value, group in zip(values, groups):
+    for value, group in zip(values, groups, strict=True):
         mean, std = stats[group]
         result.append((value - mean) / (std + eps) if scale_by_std else value - mean)
     return result

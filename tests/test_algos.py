@@ -180,7 +180,7 @@ def uneven_batches(draw):
                 rows.append((f"p{prompt}", f"p{prompt}t{trajectory}", agent, draw(SCORES)))
     order = draw(st.permutations(range(len(rows))))
     rows = [rows[i] for i in order]
-    uid, traj, agent, score = (list(column) for column in zip(*rows))
+    uid, traj, agent, score = (list(column) for column in zip(*rows, strict=True))
     return np.array(score), uid, traj, agent
 
 
@@ -224,7 +224,7 @@ def test_drmas_groups_are_standardised(batch):
     # Within each (uid, agent) group of 2+ distinct scores: mean 0, unbiased std ~1.
     score, uid, traj, agent = batch
     advantages = compute_advantages(score, uid, traj, agent, "drmas", eps=0.0)
-    for key in set(zip(uid, agent)):
+    for key in set(zip(uid, agent, strict=True)):
         rows = [i for i in range(len(score)) if (uid[i], agent[i]) == key]
         if len(rows) > 1 and np.ptp(score[rows]) > 1e-3:
             assert advantages[rows].mean() == pytest.approx(0.0, abs=1e-4)
@@ -257,7 +257,9 @@ def test_lemma_example_multiplier_is_eight():
     assert (k.inflation_p95, k.inflation_max, k.groups, k.flat_groups, k.rows) == pytest.approx((8.0, 8.0, 1, 0, 3))
     # Agent j's calls [-0.5, -0.5, 0, 0, -1]: mu_j = -0.4, unbiased var 0.7 / 4 = 0.175;
     # var_ratio 0.7, mean mismatch 0.16 / 0.25 = 0.64, multiplier 1.34.
-    assert (stats["j"].mean_gap_mean, stats["j"].var_ratio_mean, stats["j"].multiplier) == pytest.approx((-0.4, 0.7, 1.34))
+    assert (stats["j"].mean_gap_mean, stats["j"].var_ratio_mean, stats["j"].multiplier) == pytest.approx(
+        (-0.4, 0.7, 1.34)
+    )
 
 
 def test_worked_example_lemma_terms_and_measured_ratio():
@@ -311,8 +313,20 @@ def test_lemma_terms_match_the_reference_definitions(batch):
         terms = np.array(slow.get(name, []))
         assert stats.groups - stats.flat_groups == len(terms)
         if len(terms):
-            expected = (terms[:, 0].mean(), np.abs(terms[:, 0]).max(), terms[:, 1].min(), terms[:, 2].mean(), np.percentile(terms[:, 2], 95))
-            actual = (stats.mean_gap_mean, stats.mean_gap_abs_max, stats.var_ratio_min, stats.inflation_mean, stats.inflation_p95)
+            expected = (
+                terms[:, 0].mean(),
+                np.abs(terms[:, 0]).max(),
+                terms[:, 1].min(),
+                terms[:, 2].mean(),
+                np.percentile(terms[:, 2], 95),
+            )
+            actual = (
+                stats.mean_gap_mean,
+                stats.mean_gap_abs_max,
+                stats.var_ratio_min,
+                stats.inflation_mean,
+                stats.inflation_p95,
+            )
             np.testing.assert_allclose(actual, expected, rtol=1e-7, atol=1e-9)
 
 
@@ -371,9 +385,7 @@ def test_dual_clip_bounds_negative_advantage_loss():
 
 def test_asymmetric_clip_range():
     # clip_ratio_high 0.28: ratio 1.5 is clipped to 1.28, loss -1.28 for A = +1.
-    loss, _ = policy_loss(
-        torch.log(_tensor(1.5)), _tensor(0.0), torch.tensor([1.0]), _tensor(1), clip_ratio_high=0.28
-    )
+    loss, _ = policy_loss(torch.log(_tensor(1.5)), _tensor(0.0), torch.tensor([1.0]), _tensor(1), clip_ratio_high=0.28)
     assert loss.item() == pytest.approx(-1.28)
 
 

@@ -30,24 +30,24 @@ import torch
 from helpers import TINY_OVERRIDES
 from test_orchestras import ScriptedPool
 
-from drmas.stages.advantage import advantage
-from drmas.team.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent
 from drmas.cli import main
 from drmas.config import load_config
-from drmas.stages.evaluate import evaluate
+from drmas.generation.workers import PolicyRef
 from drmas.infra.layout import optim_path, policy_path, stage_path
-from drmas.models import PolicyError, load_model
-from drmas.stages.policies import init_policies
-from drmas.stages.rollout import rollout
 from drmas.infra.schema import TRAJECTORY_SCHEMA
 from drmas.infra.store import MANIFEST, CorruptArtifact, Store
+from drmas.models import PolicyError, load_model
+from drmas.stages.advantage import advantage
+from drmas.stages.evaluate import evaluate
+from drmas.stages.policies import init_policies
+from drmas.stages.rollout import rollout
+from drmas.stages.update import update
 from drmas.tasks import Question
 from drmas.tasks.math import math_reward
 from drmas.tasks.search import exact_match
-from drmas.stages.update import update
+from drmas.team.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent
 from drmas.training.engines import TorchEngine
 from drmas.training.state import capture_state, save_state
-from drmas.generation.workers import PolicyRef
 
 ROOT = Path(__file__).resolve().parents[1]
 MATH = str(ROOT / "configs" / "math_tiny.yaml")
@@ -77,20 +77,41 @@ CONFIG_CASES = {
     "unknown key": (["rollout.groupsize=4"], "rollout.groupsize: unknown key; did you mean 'group_size'?"),
     "wrong type": (["rollout.group_size=many"], "rollout.group_size: Input should be a valid integer"),
     "wrong type in an agent": (["agents.solver.lr=fast"], "override agents.solver.lr: Input should be a valid number"),
-    "impossible width": (["models.tiny.hidden_size=4"], "models.tiny.hidden_size: Input should be greater than or equal to 8"),
+    "impossible width": (
+        ["models.tiny.hidden_size=4"],
+        "models.tiny.hidden_size: Input should be greater than or equal to 8",
+    ),
     "impossible heads": (["models.tiny.num_kv_heads=3"], "models.tiny: num_heads 4 is not divisible by num_kv_heads 3"),
     "impossible group": (["rollout.group_size=1"], "rollout.group_size: is 1, but advantage 'drmas'"),
-    "no prompts": (["rollout.prompts_per_iteration=0"], "rollout.prompts_per_iteration: Input should be greater than or equal to 1"),
+    "no prompts": (
+        ["rollout.prompts_per_iteration=0"],
+        "rollout.prompts_per_iteration: Input should be greater than or equal to 1",
+    ),
     "shared worker group disagrees": (
         ["workers.sharing=by_model", "agents.solver.micro_batch_size=4"],
         "micro_batch_size differs between agents that share worker group 'solver-verifier' (solver=4, verifier=32)",
     ),
-    "missing model folder": (["agents.solver.model=./no/such/model"], "override agents.solver.model: './no/such/model' is neither a key of models"),
-    "missing model source": (["models.tiny.source=/no/such/model"], "models.tiny: source '/no/such/model' looks like a local folder but does not exist"),
-    "model folder without config.json": (["models.tiny.source={empty}"], "has no config.json (not a Hugging Face model folder)"),
+    "missing model folder": (
+        ["agents.solver.model=./no/such/model"],
+        "override agents.solver.model: './no/such/model' is neither a key of models",
+    ),
+    "missing model source": (
+        ["models.tiny.source=/no/such/model"],
+        "models.tiny: source '/no/such/model' looks like a local folder but does not exist",
+    ),
+    "model folder without config.json": (
+        ["models.tiny.source={empty}"],
+        "has no config.json (not a Hugging Face model folder)",
+    ),
     "unknown orchestra": (["task.orchestra=debate"], "task.orchestra: unknown orchestra 'debate'"),
-    "unknown agent": (["agents.verifier.name=critic"], "override agents.verifier.name: orchestra 'math' has no agent 'critic'"),
-    "credentials in the tracking URI": (["tracking.uri=http://ann:hunter2@mlflow:5000"], "tracking.uri: must not hold credentials"),
+    "unknown agent": (
+        ["agents.verifier.name=critic"],
+        "override agents.verifier.name: orchestra 'math' has no agent 'critic'",
+    ),
+    "credentials in the tracking URI": (
+        ["tracking.uri=http://ann:hunter2@mlflow:5000"],
+        "tracking.uri: must not hold credentials",
+    ),
 }
 
 
@@ -122,15 +143,27 @@ def test_every_command_refuses_a_bad_config_the_same_way(command, tmp_path, monk
 # --------------------------------------------------------------------------------------
 
 DATA_CASES = {
-    "missing column": (b'{"prompt": "What is 1 + 1?", "answer": "2"}\n', "no question column 'question' (set data.question_field); columns: answer, prompt"),
+    "missing column": (
+        b'{"prompt": "What is 1 + 1?", "answer": "2"}\n',
+        "no question column 'question' (set data.question_field); columns: answer, prompt",
+    ),
     "empty file": (b"", "no rows"),
-    "wrong type": (b'{"question": 17, "answer": "2"}\n', "row 0 (line 1): empty or missing question ('question': int 17, not text)"),
-    "non-UTF-8": ('{"question": "caf\u00e9?", "answer": "1"}\n'.encode("latin-1"), "not UTF-8 text (bad byte at offset 17)"),
+    "wrong type": (
+        b'{"question": 17, "answer": "2"}\n',
+        "row 0 (line 1): empty or missing question ('question': int 17, not text)",
+    ),
+    "non-UTF-8": (
+        '{"question": "caf\u00e9?", "answer": "1"}\n'.encode("latin-1"),
+        "not UTF-8 text (bad byte at offset 17)",
+    ),
     "duplicated ids": (
         b'{"id": "q1", "question": "a", "answer": "1"}\n{"id": "q1", "question": "b", "answer": "2"}\n',
         "duplicated id 'q1' (row 0 (line 1) and row 1 (line 2))",
     ),
-    "question without answer": (b'{"question": "a", "answer": "1"}\n{"question": "b"}\n', "row 1 (line 2): missing or empty answer ('answer')"),
+    "question without answer": (
+        b'{"question": "a", "answer": "1"}\n{"question": "b"}\n',
+        "row 1 (line 2): missing or empty answer ('answer')",
+    ),
     "not JSON": (b'{"question": "a", "answer": "1"}\n{"question": \n', "line 2: invalid JSON"),
 }
 
@@ -279,7 +312,9 @@ def test_a_rollout_of_hostile_outputs_completes_and_penalises_every_call(tmp_pat
     texts = table["response_text"].to_pylist()
     assert table.num_rows >= 12 and set(texts) <= set(outputs) and "\x00" * 100 in texts  # stored as returned
     assert not any(table["is_valid"].to_pylist()) and not any(table["reward"].to_pylist())
-    scores = store.open(advantage(config, store, "hostile", 0).artifact).read_table("batch.parquet")["score"].to_pylist()
+    scores = (
+        store.open(advantage(config, store, "hostile", 0).artifact).read_table("batch.parquet")["score"].to_pylist()
+    )
     assert scores == [-0.5] * table.num_rows  # reward 0 minus the penalty on every call
 
 
@@ -293,8 +328,19 @@ def trained_run(tmp_path_factory) -> Path:
     """A real one-iteration run (``drmas run``, warm start, Ray, tiny models) whose store
     each test copies and damages: ``{folder}/runs`` holds run ``base``."""
     folder = tmp_path_factory.mktemp("trained")
-    command = [str(Path(sys.executable).parent / "drmas"), "run", MATH, *BASE, "experiment.iterations=1", f"store.root={folder / 'runs'}", "--run-id", RUN]
-    done = subprocess.run(command, cwd=folder, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+    command = [
+        str(Path(sys.executable).parent / "drmas"),
+        "run",
+        MATH,
+        *BASE,
+        "experiment.iterations=1",
+        f"store.root={folder / 'runs'}",
+        "--run-id",
+        RUN,
+    ]
+    done = subprocess.run(
+        command, cwd=folder, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return folder / "runs"
 
@@ -350,9 +396,25 @@ def test_a_modified_trajectory_file_is_refused_by_rerun(run_copy, capsys):
     data[len(data) // 2] ^= 0xFF
     file.write_bytes(bytes(data))
     before = manifests(Path(run_copy.root))
-    status, err = drmas(capsys, "rerun", MATH, *BASE, "experiment.iterations=1", f"store.root={run_copy.root}", "--run-id", RUN, "--iteration", "0", "--stage", "advantage")
+    status, err = drmas(
+        capsys,
+        "rerun",
+        MATH,
+        *BASE,
+        "experiment.iterations=1",
+        f"store.root={run_copy.root}",
+        "--run-id",
+        RUN,
+        "--iteration",
+        "0",
+        "--stage",
+        "advantage",
+    )
     assert status == 1
-    assert f"drmas rerun: {run_copy.uri(rollout_path, 'trajectories.parquet')}: sha256 differs from the manifest (modified?)" in err, err
+    assert (
+        f"drmas rerun: {run_copy.uri(rollout_path, 'trajectories.parquet')}: sha256 differs from the manifest (modified?)"
+        in err
+    ), err
     assert manifests(Path(run_copy.root)) == before
 
 
@@ -361,9 +423,26 @@ def test_a_truncated_parquet_file_is_refused_by_rerun(run_copy, capsys):
     rollout_path = stage_path(EXPERIMENT, RUN, 0, "rollout")
     artifact = run_copy.open(rollout_path)
     data = artifact.read_bytes("trajectories.parquet")
-    rewrite(run_copy, rollout_path, {"trajectories.parquet": data[: len(data) // 2], "metrics.json": artifact.read_bytes("metrics.json")})
+    rewrite(
+        run_copy,
+        rollout_path,
+        {"trajectories.parquet": data[: len(data) // 2], "metrics.json": artifact.read_bytes("metrics.json")},
+    )
     before = manifests(Path(run_copy.root))
-    status, err = drmas(capsys, "rerun", MATH, *BASE, "experiment.iterations=1", f"store.root={run_copy.root}", "--run-id", RUN, "--iteration", "0", "--stage", "advantage")
+    status, err = drmas(
+        capsys,
+        "rerun",
+        MATH,
+        *BASE,
+        "experiment.iterations=1",
+        f"store.root={run_copy.root}",
+        "--run-id",
+        RUN,
+        "--iteration",
+        "0",
+        "--stage",
+        "advantage",
+    )
     assert status == 1
     assert f"drmas rerun: {run_copy.uri(rollout_path, 'trajectories.parquet')}: not a readable Parquet file" in err, err
     assert "Traceback" not in err
@@ -389,7 +468,11 @@ def test_a_checkpoint_of_another_model_is_refused_before_it_loads(command, run_c
         with pytest.raises(PolicyError, match=re.escape(expected)):
             evaluate(config, run_copy, stage_path(EXPERIMENT, RUN, 0, "evaluate"), policies, pool)
     else:
-        args = ["run", MATH, "--resume", RUN, "experiment.iterations=2"] if command == "resume" else ["eval", MATH, "--run-id", RUN]
+        args = (
+            ["run", MATH, "--resume", RUN, "experiment.iterations=2"]
+            if command == "resume"
+            else ["eval", MATH, "--run-id", RUN]
+        )
         status, err = drmas(capsys, *args, *BASE, f"store.root={run_copy.root}")
         assert status == 1
         assert expected in err, err
@@ -412,8 +495,14 @@ def foreign_optimizer_state(tmp_path: Path, *overrides: str) -> Path:
 @pytest.mark.parametrize(
     ("overrides", "reason"),
     [
-        (["models.tiny.hidden_size=64"], r"the state for model\.embed_tokens\.weight\.exp_avg is of shape \(\d+, 64\), but the parameter has shape \(\d+, 32\)"),
-        (["models.tiny.num_layers=2"], r"it holds state for 11 parameter\(s\) this model does not have \(e\.g\. 'model\.layers\.1\.\S+'\): the optimizer state of another model"),
+        (
+            ["models.tiny.hidden_size=64"],
+            r"the state for model\.embed_tokens\.weight\.exp_avg is of shape \(\d+, 64\), but the parameter has shape \(\d+, 32\)",
+        ),
+        (
+            ["models.tiny.num_layers=2"],
+            r"it holds state for 11 parameter\(s\) this model does not have \(e\.g\. 'model\.layers\.1\.\S+'\): the optimizer state of another model",
+        ),
     ],
     ids=["other shapes", "other parameters"],
 )
@@ -440,7 +529,9 @@ def test_an_error_raised_in_a_ray_actor_reads_as_its_reason(capsys):
     from drmas.cli import _fail
 
     cause = CorruptArtifact("s3://b/run/policy/solver/model.safetensors: sha256 differs from the manifest (modified?)")
-    wrapped = RayTaskError("WorkerGroupRuntime.load_policy", 'Traceback (most recent call last):\n  File "workers.py"', cause).as_instanceof_cause()
+    wrapped = RayTaskError(
+        "WorkerGroupRuntime.load_policy", 'Traceback (most recent call last):\n  File "workers.py"', cause
+    ).as_instanceof_cause()
     assert isinstance(wrapped, CorruptArtifact) and 'File "workers.py"' in str(wrapped)  # Ray's text
     assert _fail("eval", wrapped) == 1
     assert capsys.readouterr().err == f"drmas eval: {cause}\n"
@@ -451,5 +542,7 @@ def test_pickled_weights_in_a_model_folder_are_refused_by_name(tmp_path):
     in test_security.py)."""
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "pytorch_model.bin").write_bytes(b"not even a pickle")
-    with pytest.raises(PolicyError, match=r"pytorch_model.bin\) and no model.safetensors; drmas loads weights only from safetensors"):
+    with pytest.raises(
+        PolicyError, match=r"pytorch_model.bin\) and no model.safetensors; drmas loads weights only from safetensors"
+    ):
         load_model(tmp_path)

@@ -14,8 +14,8 @@ import yaml
 from drmas import __version__
 from drmas.cli import main
 from drmas.config import load_config
-from drmas.runner import open_run
 from drmas.infra.store import Store
+from drmas.runner import open_run
 
 ROOT = Path(__file__).resolve().parents[1]
 MATH = str(ROOT / "configs" / "math_tiny.yaml")
@@ -168,7 +168,10 @@ def test_a_missing_config_file_still_says_it_does_not_exist(tmp_path, capsys):
 def test_stage_takes_only_the_stages_of_an_iteration(capsys):
     status, _, err = drmas(capsys, "rerun", MATH, "--run-id", "r", "--iteration", "0", "--stage", "bogus")
     assert status == 2
-    assert "argument --stage: invalid choice: 'bogus' (choose from 'rollout', 'advantage', 'update', 'evaluate', 'checkpoint')" in err
+    assert (
+        "argument --stage: invalid choice: 'bogus' (choose from 'rollout', 'advantage', 'update', 'evaluate', 'checkpoint')"
+        in err
+    )
 
 
 @pytest.mark.parametrize("command", ["rerun", "eval"])
@@ -181,10 +184,25 @@ def test_run_id_and_iteration_have_help(command, capsys):
 
 def test_worker_group_needs_stage_update_and_a_worker_group_of_the_config(tmp_path, capsys):
     for stage, group in (("advantage", "solver"), ("update", "critic")):
-        status, _, err = drmas(capsys, "rerun", MATH, f"store.root={tmp_path}", "--run-id", "r", "--iteration", "0",
-                               "--stage", stage, "--worker-group", group)
+        status, _, err = drmas(
+            capsys,
+            "rerun",
+            MATH,
+            f"store.root={tmp_path}",
+            "--run-id",
+            "r",
+            "--iteration",
+            "0",
+            "--stage",
+            stage,
+            "--worker-group",
+            group,
+        )
         assert status == 2
-        assert f"drmas rerun: --worker-group takes --stage update and one of solver, verifier (got --stage {stage} --worker-group {group})" in err
+        assert (
+            f"drmas rerun: --worker-group takes --stage update and one of solver, verifier (got --stage {stage} --worker-group {group})"
+            in err
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -225,8 +243,20 @@ def test_rerun_of_one_worker_groups_update_recomputes_its_policy(tmp_path, monke
         return SimpleNamespace(recomputed=[stage], stages={stage: "path"})
 
     monkeypatch.setattr("drmas.runner.rerun", rerun)
-    status, out, err = drmas(capsys, "rerun", MATH, f"store.root={tmp_path}", "--run-id", "first", "--iteration", "0",
-                             "--stage", "update", "--worker-group", "verifier")
+    status, out, err = drmas(
+        capsys,
+        "rerun",
+        MATH,
+        f"store.root={tmp_path}",
+        "--run-id",
+        "first",
+        "--iteration",
+        "0",
+        "--stage",
+        "update",
+        "--worker-group",
+        "verifier",
+    )
     assert status == 0, err
     assert stages == ["policy/verifier"]
     assert "recomputed: policy/verifier" in out

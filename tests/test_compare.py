@@ -29,17 +29,30 @@ def test_spike_is_the_worst_step_over_the_median():
 def _history(norms: list[float], ratio: float, final_eval: float) -> list[tuple[int, dict[str, float]]]:
     history = [(0, {"eval/avg_at_4": 0.5, "eval/pass_at_4": 0.8})]
     for i, norm in enumerate(norms):
-        history.append((i + 1, {
-            "agent/solver/reward_mean": 0.6, "agent/verifier/reward_mean": 0.7,
-            "agent/solver/calls": 12.0, "agent/verifier/calls": 8.0,
-            "agent/solver/grad_norm": norm, "agent/verifier/grad_norm": 1.0,
-            "agent/solver/adv_sq_ratio": ratio, "agent/verifier/adv_sq_ratio": 1.0,
-            "agent/solver/lemma_multiplier": 4.0, "agent/verifier/lemma_multiplier": 1.0,
-            "agent/solver/lemma_multiplier_p95": 9.0,
-            "agent/solver/lemma_var_ratio": 3.0, "agent/solver/lemma_mean_gap": 0.5,
-            "agent/solver/lemma_groups": 4.0, "agent/solver/lemma_flat_groups": 1.0,
-            "wg/solver/skipped": 0.0, "wg/verifier/skipped": 1.0 if i == 0 else 0.0,
-        }))
+        history.append(
+            (
+                i + 1,
+                {
+                    "agent/solver/reward_mean": 0.6,
+                    "agent/verifier/reward_mean": 0.7,
+                    "agent/solver/calls": 12.0,
+                    "agent/verifier/calls": 8.0,
+                    "agent/solver/grad_norm": norm,
+                    "agent/verifier/grad_norm": 1.0,
+                    "agent/solver/adv_sq_ratio": ratio,
+                    "agent/verifier/adv_sq_ratio": 1.0,
+                    "agent/solver/lemma_multiplier": 4.0,
+                    "agent/verifier/lemma_multiplier": 1.0,
+                    "agent/solver/lemma_multiplier_p95": 9.0,
+                    "agent/solver/lemma_var_ratio": 3.0,
+                    "agent/solver/lemma_mean_gap": 0.5,
+                    "agent/solver/lemma_groups": 4.0,
+                    "agent/solver/lemma_flat_groups": 1.0,
+                    "wg/solver/skipped": 0.0,
+                    "wg/verifier/skipped": 1.0 if i == 0 else 0.0,
+                },
+            )
+        )
     history[-1][1].update({"eval/avg_at_4": final_eval, "eval/pass_at_4": 0.9})
     return history
 
@@ -55,7 +68,9 @@ def test_report_names_modes_agents_spikes_and_results(tmp_path):
     uri = write_comparison(config, store, "c", runs)
     assert uri == store.uri("math-tiny/c/report")
     report = store.open("math-tiny/c/report")
-    assert report.read_bytes("grad_norms.png").startswith(b"\x89PNG") and report.read_bytes("lemma.png").startswith(b"\x89PNG")
+    assert report.read_bytes("grad_norms.png").startswith(b"\x89PNG") and report.read_bytes("lemma.png").startswith(
+        b"\x89PNG"
+    )
     text = report.read_bytes("report.md").decode()
     assert "| grpo | solver | 6.000 ± 2.000 |" in text  # spikes 8 and 4 over a median of 1
     assert "| drmas | solver | 1.000 |" in text
@@ -95,10 +110,24 @@ def test_report_means_skip_iterations_without_reward_spread(tmp_path):
 def test_drmas_compare_trains_every_run_from_one_warm_start(tmp_path):
     """`drmas compare` end to end on a tiny team: one run per mode and seed; every run
     starts from the first one's warm start (copied, not retrained), one report for all."""
-    command = [str(Path(sys.executable).parent / "drmas"), "compare", str(ROOT / "configs" / "math_tiny.yaml"),
-               "--seeds", "2", "--name", "cmp", "experiment.iterations=1", "eval.every=1", "eval.max_questions=3", "eval.k=2",
-               *TINY_OVERRIDES, f"store.root={tmp_path / 'runs'}"]
-    done = subprocess.run(command, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900)
+    command = [
+        str(Path(sys.executable).parent / "drmas"),
+        "compare",
+        str(ROOT / "configs" / "math_tiny.yaml"),
+        "--seeds",
+        "2",
+        "--name",
+        "cmp",
+        "experiment.iterations=1",
+        "eval.every=1",
+        "eval.max_questions=3",
+        "eval.k=2",
+        *TINY_OVERRIDES,
+        f"store.root={tmp_path / 'runs'}",
+    ]
+    done = subprocess.run(
+        command, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     root = tmp_path / "runs" / "math-tiny"
     runs = ["cmp-grpo-s0", "cmp-drmas-s0", "cmp-grpo-s1", "cmp-drmas-s1"]
@@ -108,13 +137,17 @@ def test_drmas_compare_trains_every_run_from_one_warm_start(tmp_path):
         for other in runs[1:]:
             copy = root / other / "warmstart" / "policy" / wg
             assert (copy / "model.safetensors").read_bytes() == start
-            assert json.loads((copy / "_MANIFEST.json").read_text())["meta"]["copied_from"].endswith(f"{runs[0]}/warmstart/policy/{wg}")
+            assert json.loads((copy / "_MANIFEST.json").read_text())["meta"]["copied_from"].endswith(
+                f"{runs[0]}/warmstart/policy/{wg}"
+            )
     # the seeds then train apart from the same start: other questions, other samples
     rollouts = {run: (root / run / "iter-000000" / "rollout" / "trajectories.parquet").read_bytes() for run in runs}
     assert rollouts["cmp-grpo-s0"] != rollouts["cmp-grpo-s1"]
     recorded = {m: json.loads((root / f"cmp-{m}-s1" / "run" / "config.json").read_text()) for m in ("grpo", "drmas")}
     assert recorded["grpo"]["experiment"]["seed"] == 1
-    assert recorded["grpo"]["algorithm"]["advantage"] == "grpo" and recorded["drmas"]["algorithm"]["advantage"] == "drmas"
+    assert (
+        recorded["grpo"]["algorithm"]["advantage"] == "grpo" and recorded["drmas"]["algorithm"]["advantage"] == "drmas"
+    )
     assert recorded["drmas"]["diagnostics"]["per_agent_grad_norm"] is True
     text = (root / "cmp" / "report" / "report.md").read_text()
     assert "| grpo | solver |" in text and "| drmas | verifier |" in text and "eval avg@2" in text

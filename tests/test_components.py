@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from drmas_kfp import components
 import drmas
+from drmas_kfp import components
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = sorted(path.stem for path in (ROOT / "src/drmas_kfp/components").glob("*.py") if path.stem != "__init__")
@@ -34,7 +34,9 @@ def test_component_modules_import_only_the_standard_library_and_kfp():
     """Each module, imported alone in a fresh interpreter, loads no drmas and no heavy
     dependency: building and compiling pipelines does not load the training stack."""
     for module in ["drmas_kfp.components", *(f"drmas_kfp.components.{name}" for name in MODULES)]:
-        probe = f"import sys, {module}; print(','.join(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))))"
+        probe = (
+            f"import sys, {module}; print(','.join(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))))"
+        )
         done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True)
         assert done.stdout.strip() == "", f"{module} imports {done.stdout.strip()}"
 
@@ -62,9 +64,13 @@ def test_component_sources_follow_the_import_rules():
             for node in ast.walk(function):
                 if isinstance(node, ast.ImportFrom):
                     assert node.level == 0, f"{name}.{function.name}: relative import"
-                    assert node.module.split(".")[0] in {"drmas"} | set(sys.stdlib_module_names), f"{name}.{function.name}: {node.module}"
+                    assert node.module.split(".")[0] in {"drmas"} | set(sys.stdlib_module_names), (
+                        f"{name}.{function.name}: {node.module}"
+                    )
                 elif isinstance(node, ast.Import):
-                    assert all(a.name.split(".")[0] in sys.stdlib_module_names for a in node.names), f"{name}.{function.name}"
+                    assert all(a.name.split(".")[0] in sys.stdlib_module_names for a in node.names), (
+                        f"{name}.{function.name}"
+                    )
 
 
 def test_every_stage_component_runs_on_the_pinned_image_without_installing_kfp():
@@ -87,7 +93,10 @@ def test_typed_artifacts_and_the_explicit_config_parameter():
     for name, spec in specs.items():
         assert types(spec.inputs)["config_json"] == "String", name
         assert not any("secret" in key.lower() or "key_id" in key.lower() for key in spec.inputs), name
-    assert types(specs["rollout"].outputs) == {"trajectories": "system.Dataset@0.0.1", "metrics": "system.Metrics@0.0.1"}
+    assert types(specs["rollout"].outputs) == {
+        "trajectories": "system.Dataset@0.0.1",
+        "metrics": "system.Metrics@0.0.1",
+    }
     assert types(specs["advantage"].outputs) == {"batch": "system.Dataset@0.0.1", "metrics": "system.Metrics@0.0.1"}
     assert types(specs["update"].outputs) == {"policy": "system.Model@0.0.1", "metrics": "system.Metrics@0.0.1"}
     assert types(specs["checkpoint"].outputs) == {"checkpoint": "system.Model@0.0.1", "metrics": "system.Metrics@0.0.1"}
@@ -95,7 +104,9 @@ def test_typed_artifacts_and_the_explicit_config_parameter():
     assert types(specs["warmstart"].outputs) == {"policies": "system.Model@0.0.1", "metrics": "system.Metrics@0.0.1"}
     assert types(specs["advantage"].inputs)["trajectories"] == "system.Dataset@0.0.1"
     assert {k: v for k, v in types(specs["update"].inputs).items() if k in ("batch", "policies", "reference")} == {
-        "batch": "system.Dataset@0.0.1", "policies": "system.Model@0.0.1", "reference": "system.Model@0.0.1",
+        "batch": "system.Dataset@0.0.1",
+        "policies": "system.Model@0.0.1",
+        "reference": "system.Model@0.0.1",
     }
     slots = [key for key in specs["checkpoint"].inputs if key.startswith("update_")]
     assert len(slots) == components.MAX_WORKER_GROUPS
@@ -109,11 +120,11 @@ def test_a_component_under_kfp_local_reads_and_writes_the_store(tmp_path, monkey
     whose metadata names it, as the rollout component would: it writes the batch into the
     store with drmas' cache key, points its artifact there, and writes its metrics to
     metrics.path (without that file kfp.local never caches the task)."""
+    from helpers import stored_rollout
     from kfp import dsl, local
 
-    from drmas.stages.contracts import AdvantageContract, cache_key
     from drmas.infra.layout import stage_path
-    from helpers import stored_rollout
+    from drmas.stages.contracts import AdvantageContract, cache_key
 
     monkeypatch.chdir(tmp_path)
     config, store, source = stored_rollout(tmp_path, rows=12)
@@ -121,9 +132,13 @@ def test_a_component_under_kfp_local_reads_and_writes_the_store(tmp_path, monkey
     @dsl.pipeline(name="advantage-alone")
     def alone(config_json: str) -> dsl.Dataset:
         rollout = dsl.importer(
-            artifact_uri=store.uri(source), artifact_class=dsl.Dataset, metadata={"artifact": source, "store_uri": store.uri(source)}
+            artifact_uri=store.uri(source),
+            artifact_class=dsl.Dataset,
+            metadata={"artifact": source, "store_uri": store.uri(source)},
         )
-        return components.advantage(config_json=config_json, run_id="r", iteration=0, trajectories=rollout.output).outputs["batch"]
+        return components.advantage(
+            config_json=config_json, run_id="r", iteration=0, trajectories=rollout.output
+        ).outputs["batch"]
 
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "kfp"), enable_caching=True)
     try:
@@ -147,18 +162,22 @@ def test_a_checkpoint_imported_by_uri_becomes_the_next_iterations_policy_set(tmp
     the policy set; a checkpoint of another iteration than the one before is refused."""
     from kfp import dsl, local
 
-    from drmas.stages.checkpoint import checkpoint
     from drmas.config import load_config
     from drmas.infra.layout import optim_path, policy_path, stage_path
     from drmas.infra.store import Store
+    from drmas.stages.checkpoint import checkpoint
 
     monkeypatch.chdir(tmp_path)
     config = load_config(ROOT / "configs" / "math_tiny.yaml", [f"store.root={tmp_path / 'runs'}"])
     store = Store.from_config(config.store)
     spec = config.models["tiny"]
     architecture = {
-        "model_type": spec.architecture, "hidden_size": spec.hidden_size, "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads, "intermediate_size": spec.intermediate_size,
+        "model_type": spec.architecture,
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "intermediate_size": spec.intermediate_size,
     }
     for wg in ("solver", "verifier"):
         with store.writer(policy_path(config.experiment.name, "old", 3, wg)) as out:
@@ -172,7 +191,9 @@ def test_a_checkpoint_imported_by_uri_becomes_the_next_iterations_policy_set(tmp
     @dsl.pipeline(name="import-checkpoint")
     def start(config_json: str, checkpoint_uri: str, next_iteration: int) -> dsl.Model:
         imported = dsl.importer(artifact_uri=checkpoint_uri, artifact_class=dsl.Model, reimport=False)
-        return components.load_checkpoint(config_json=config_json, checkpoint=imported.output, run_id="new", next_iteration=next_iteration).outputs["policies"]
+        return components.load_checkpoint(
+            config_json=config_json, checkpoint=imported.output, run_id="new", next_iteration=next_iteration
+        ).outputs["policies"]
 
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "kfp"), enable_caching=False)
     try:
@@ -184,6 +205,9 @@ def test_a_checkpoint_imported_by_uri_becomes_the_next_iterations_policy_set(tmp
     assert "is the checkpoint of iteration 3; iteration 2 continues from iteration 1" in capsys.readouterr().out
     assert policies.metadata["iteration"] == 3 and policies.metadata["store_uri"] == uri
     assert policies.metadata["home"] == "math-tiny/old/iter-000003"
-    assert policies.metadata["policies"]["verifier"] == {"artifact": "math-tiny/old/iter-000003/policy/verifier", "prefix": ""}
+    assert policies.metadata["policies"]["verifier"] == {
+        "artifact": "math-tiny/old/iter-000003/policy/verifier",
+        "prefix": "",
+    }
     assert policies.metadata["optims"]["solver"] == {"artifact": "math-tiny/old/iter-000003/optim/solver", "prefix": ""}
     assert store.exists("math-tiny/new/run"), "the run that continues from the checkpoint has its config recorded"

@@ -54,9 +54,7 @@ def test_worker_group_by_name_carries_its_models_template_variables():
 
 
 def test_heterogeneous_models_by_model_gives_one_group_per_model(tmp_path):
-    config = load_config(
-        MATH, ["models.big={hidden_size: 256}", "agents.solver.model=big", "workers.sharing=by_model"]
-    )
+    config = load_config(MATH, ["models.big={hidden_size: 256}", "agents.solver.model=big", "workers.sharing=by_model"])
     assert {g.name: g.model for g in config.worker_groups()} == {"solver": "big", "verifier": "tiny"}
 
 
@@ -113,7 +111,10 @@ def test_flat_params_name_agents():
         (["models.tiny.num_kv_heads=3"], "models.tiny: num_heads 4 is not divisible by num_kv_heads 3"),
         (["experiment.name=has space"], "experiment.name: String should match pattern"),
         (["rollout.truncation=right"], "rollout.truncation: Input should be 'middle' or 'left'"),
-        (["train.backend=deepspeed", "train.offload_optimizer=true"], "train: offload_optimizer needs zero_stage 1, 2 or 3"),
+        (
+            ["train.backend=deepspeed", "train.offload_optimizer=true"],
+            "train: offload_optimizer needs zero_stage 1, 2 or 3",
+        ),
         (
             ["models.tiny.chat_template_kwargs={tokenize: true, enable_thinking: false}"],
             "models.tiny.chat_template_kwargs: tokenize: set by drmas itself, not a template variable",
@@ -145,7 +146,9 @@ def test_explicit_groups_are_checked():
     assert "override workers.groups: agent 'solver' is in both 'g1' and 'g2'" in found
     assert "override workers.groups: workers.groups.g2: unknown agent 'verifir'; did you mean 'verifier'?" in found
     assert "override workers.groups: agent 'verifier' is in no worker group" in found
-    mixed = problems("models.other={hidden_size: 64}", "agents.solver.model=other", "workers.groups={g: [solver, verifier]}")
+    mixed = problems(
+        "models.other={hidden_size: 64}", "agents.solver.model=other", "workers.groups={g: [solver, verifier]}"
+    )
     assert any("its agents name different models (other, tiny)" in p for p in mixed)
 
 

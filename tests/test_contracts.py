@@ -20,9 +20,12 @@ import pytest
 import torch
 from helpers import ROOT, TINY_OVERRIDES
 
+from drmas.config import DrmasConfig, Section, load_config
+from drmas.generation.pool import RayPool
+from drmas.infra.layout import PolicyRef, stage_path
+from drmas.infra.store import Store, iteration_path
 from drmas.stages.advantage import advantage
 from drmas.stages.checkpoint import checkpoint
-from drmas.config import DrmasConfig, Section, load_config
 from drmas.stages.contracts import (
     CONTRACTS,
     PLACEMENT_FIELDS,
@@ -36,11 +39,8 @@ from drmas.stages.contracts import (
     settings_label,
 )
 from drmas.stages.evaluate import evaluate
-from drmas.infra.layout import PolicyRef, stage_path
 from drmas.stages.policies import init_policies
-from drmas.generation.pool import RayPool
 from drmas.stages.rollout import rollout
-from drmas.infra.store import Store, iteration_path
 from drmas.stages.update import update
 
 # --------------------------------------------------------------------------------------
@@ -131,7 +131,9 @@ def _in_process_ray() -> dict[str, ModuleType]:
         return made
 
     def remote(cls: type) -> SimpleNamespace:
-        return SimpleNamespace(options=lambda **_: SimpleNamespace(remote=lambda *args, **kwargs: _ActorInProcess(cls(*args, **kwargs))))
+        return SimpleNamespace(
+            options=lambda **_: SimpleNamespace(remote=lambda *args, **kwargs: _ActorInProcess(cls(*args, **kwargs)))
+        )
 
     exceptions = module("ray.exceptions", RayActorError=type("RayActorError", (Exception,), {}))
     placement = module(
@@ -141,7 +143,14 @@ def _in_process_ray() -> dict[str, ModuleType]:
     )
     strategies = module("ray.util.scheduling_strategies", PlacementGroupSchedulingStrategy=lambda *args, **kwargs: None)
     util = module("ray.util", placement_group=placement, scheduling_strategies=strategies)
-    ray = module("ray", remote=remote, get=lambda value, timeout=None: value, kill=lambda actor: None, exceptions=exceptions, util=util)
+    ray = module(
+        "ray",
+        remote=remote,
+        get=lambda value, timeout=None: value,
+        kill=lambda actor: None,
+        exceptions=exceptions,
+        util=util,
+    )
     return {made.__name__: made for made in (ray, util, placement, strategies, exceptions)}
 
 
@@ -151,7 +160,14 @@ def _in_process_ray() -> dict[str, ModuleType]:
 
 
 RUN = "contracts"
-SETTINGS = [*TINY_OVERRIDES, "warmstart.steps=0", "eval.every=1", "eval.k=2", "eval.max_questions=2", "algorithm.kl_coef=0.01"]
+SETTINGS = [
+    *TINY_OVERRIDES,
+    "warmstart.steps=0",
+    "eval.every=1",
+    "eval.k=2",
+    "eval.max_questions=2",
+    "algorithm.kl_coef=0.01",
+]
 """The tiny math team, one iteration with an evaluation; a KL term so that the update
 reads its reference policy too."""
 
@@ -203,7 +219,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyIteration:
             run.record("rollout", on_a_pool(lambda pool: rollout(config, store, RUN, 0, run.initial, pool)))
             run.record("advantage", lambda: advantage(config, store, RUN, 0))
             for wg, policy in run.initial.items():
-                result = run.record("update", lambda wg=wg, policy=policy: update(config, store, RUN, 0, wg, policy, None, policy))
+                result = run.record(
+                    "update", lambda wg=wg, policy=policy: update(config, store, RUN, 0, wg, policy, None, policy)
+                )
                 run.updated[wg] = PolicyRef(result.artifact)
             path = stage_path(config.experiment.name, RUN, 0, "evaluate")
             run.record("evaluate", on_a_pool(lambda pool: evaluate(config, store, path, run.updated, pool)))
@@ -254,7 +272,11 @@ def test_the_update_key_follows_the_sampling_temperature(tiny, tmp_path):
     temperature, so a new temperature must not reuse the old update; the advantage, which
     does not read it, stays cached."""
     hotter = tiny_config(tmp_path, "rollout.sampling.temperature=0.5")
-    unchanged = {contract.name for contract in contracts_of(tiny) if cache_key(hotter, tiny.store, contract) == cache_key(tiny.config, tiny.store, contract)}
+    unchanged = {
+        contract.name
+        for contract in contracts_of(tiny)
+        if cache_key(hotter, tiny.store, contract) == cache_key(tiny.config, tiny.store, contract)
+    }
     assert unchanged == {"advantage", "checkpoint"}
 
 
@@ -280,7 +302,12 @@ def test_the_update_reads_its_optimizer_and_reference_only_when_it_uses_them(tin
     policy, reference, optim = PolicyRef("p"), PolicyRef("ref"), PolicyRef("o")
     without_kl = tiny_config(tmp_path, "algorithm.kl_coef=0.0")
     assert set(UpdateContract(RUN, 0, "solver", policy, None, reference).inputs(without_kl)) == {"batch", "policy"}
-    assert set(UpdateContract(RUN, 0, "solver", policy, optim, reference).inputs(tiny.config)) == {"batch", "policy", "optim", "reference"}
+    assert set(UpdateContract(RUN, 0, "solver", policy, optim, reference).inputs(tiny.config)) == {
+        "batch",
+        "policy",
+        "optim",
+        "reference",
+    }
 
 
 def test_an_unlabelled_evaluation_is_named_after_its_settings(tmp_path):

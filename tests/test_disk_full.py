@@ -67,7 +67,11 @@ SCENARIO = textwrap.dedent(
     }))
     """
 )
-CHECKPOINT_FILES = ["run/iter-000000/checkpoint/_MANIFEST.json", "run/iter-000000/checkpoint/checkpoint.json", "run/iter-000000/checkpoint/model.safetensors"]
+CHECKPOINT_FILES = [
+    "run/iter-000000/checkpoint/_MANIFEST.json",
+    "run/iter-000000/checkpoint/checkpoint.json",
+    "run/iter-000000/checkpoint/model.safetensors",
+]
 
 
 def tmpfs_works(folder: Path) -> bool:
@@ -83,7 +87,9 @@ def tmpfs_works(folder: Path) -> bool:
 def small_disk(tmp_path: Path) -> Path:
     disk = tmp_path / "disk"
     if not tmpfs_works(disk):
-        pytest.skip("no private tmpfs here (unshare -rm refused: user namespaces off); the RLIMIT_FSIZE test covers the failure path")
+        pytest.skip(
+            "no private tmpfs here (unshare -rm refused: user namespaces off); the RLIMIT_FSIZE test covers the failure path"
+        )
     return disk
 
 
@@ -94,7 +100,11 @@ def on_small_disk(disk: Path, size: str, script: str, timeout: int = 120, **run)
     mount = f"mount -t tmpfs -o size={size} tmpfs {shlex.quote(str(disk))}"
     process = subprocess.Popen(
         ["unshare", "-rm", "sh", "-c", f"{mount} && {script}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **run,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        **run,
     )
     try:
         output, _ = process.communicate(timeout=timeout)
@@ -108,7 +118,10 @@ def on_small_disk(disk: Path, size: str, script: str, timeout: int = 120, **run)
 
 
 def scenario(disk: Path, size: str, big: int, fill_before_manifest: bool) -> dict:
-    command = " ".join(shlex.quote(part) for part in [sys.executable, "-c", SCENARIO, str(disk), str(big), "yes" if fill_before_manifest else "no"])
+    command = " ".join(
+        shlex.quote(part)
+        for part in [sys.executable, "-c", SCENARIO, str(disk), str(big), "yes" if fill_before_manifest else "no"]
+    )
     done = on_small_disk(disk, size, command)
     assert done.returncode == 0, done.stdout
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -117,7 +130,9 @@ def scenario(disk: Path, size: str, big: int, fill_before_manifest: bool) -> dic
 def test_disk_full_during_a_file(small_disk: Path):
     """A 2 MB file on a 1 MB disk: refused with its path and the system's reason."""
     seen = scenario(small_disk, "1m", big=2 << 20, fill_before_manifest=False)
-    assert seen["error"].startswith(f"{small_disk}/store/run/iter-000001/policy/model.safetensors: No space left on device")
+    assert seen["error"].startswith(
+        f"{small_disk}/store/run/iter-000001/policy/model.safetensors: No space left on device"
+    )
     assert seen["listed"] == ["run/iter-000000/checkpoint"]
     assert seen["files"] == CHECKPOINT_FILES  # no partial file, no temporary file
     assert seen["checkpoint_intact"]
@@ -127,7 +142,9 @@ def test_disk_full_at_the_manifest(small_disk: Path):
     """Every file fits, then the disk fills: the manifest cannot be written, so the
     artifact never appears, and neither its files nor a temporary manifest stay behind."""
     seen = scenario(small_disk, "1m", big=100_000, fill_before_manifest=True)
-    assert seen["error"].startswith(f"{small_disk}/store/run/iter-000001/policy/_MANIFEST.json: No space left on device")
+    assert seen["error"].startswith(
+        f"{small_disk}/store/run/iter-000001/policy/_MANIFEST.json: No space left on device"
+    )
     assert seen["listed"] == ["run/iter-000000/checkpoint"]
     assert seen["files"] == CHECKPOINT_FILES
     assert seen["checkpoint_intact"]
@@ -143,7 +160,10 @@ def test_file_size_limit(tmp_path: Path):
 
     done = subprocess.run(
         [sys.executable, "-c", SCENARIO, str(tmp_path), str(2 * limit), "no"],
-        capture_output=True, text=True, timeout=120, preexec_fn=limit_file_size,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limit_file_size,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
@@ -183,8 +203,14 @@ def test_run_on_full_disk_stops_then_resumes(small_disk: Path, tmp_path: Path):
     out = tmp_path / "out"
     out.mkdir()
     env = {
-        **os.environ, "DISK": str(small_disk), "OUT": str(out), "DRMAS": str(DRMAS), "PYTHON": sys.executable,
-        "CONFIG": str(ROOT / "configs" / "math_tiny.yaml"), "OVERRIDES": " ".join([*TINY_OVERRIDES, "warmstart.steps=0", "eval.every=0"]), "HF_HUB_OFFLINE": "1",
+        **os.environ,
+        "DISK": str(small_disk),
+        "OUT": str(out),
+        "DRMAS": str(DRMAS),
+        "PYTHON": sys.executable,
+        "CONFIG": str(ROOT / "configs" / "math_tiny.yaml"),
+        "OVERRIDES": " ".join([*TINY_OVERRIDES, "warmstart.steps=0", "eval.every=0"]),
+        "HF_HUB_OFFLINE": "1",
     }
     done = on_small_disk(small_disk, "64m", RUN_ON_FULL_DISK, timeout=400, cwd=tmp_path, env=env)
     logs = {name: (out / f"{name}.log").read_text() for name in ("first", "full", "resumed")}
@@ -202,4 +228,7 @@ def test_run_on_full_disk_stops_then_resumes(small_disk: Path, tmp_path: Path):
 
     assert codes["resumed"] == "0", logs["resumed"]
     assert "iter 1:" in logs["resumed"] and "iter 0:" not in logs["resumed"]
-    assert f"{small_disk}/runs/math-tiny/full/iter-000001/checkpoint/_MANIFEST.json" in (out / "manifests-at-end.txt").read_text()
+    assert (
+        f"{small_disk}/runs/math-tiny/full/iter-000001/checkpoint/_MANIFEST.json"
+        in (out / "manifests-at-end.txt").read_text()
+    )

@@ -40,7 +40,9 @@ ENGINES = {
 SOLO = "solver"  # the only agent left in the "-solo" cases
 CASES = {
     **ENGINES,
-    **{f"{name}-off": [*ENGINES[name], "diagnostics.per_agent_grad_norm=false"] for name in ("torch", "zero2", "zero3")},
+    **{
+        f"{name}-off": [*ENGINES[name], "diagnostics.per_agent_grad_norm=false"] for name in ("torch", "zero2", "zero3")
+    },
     # a clip below their norms: what is compared is the norm before clipping
     **{f"{name}-solo": [*ENGINES[name], "train.grad_clip=0.05"] for name in ("torch", "zero0", "zero2", "zero3")},
     "zero3-checkpointed": [*ENGINES["zero3"], "train.gradient_checkpointing=true"],
@@ -120,9 +122,16 @@ def run_cases(tmp_path: Path, cases: list[dict[str, str]], ranks: int) -> Path:
         with socket.socket() as probe:  # torchrun hangs with --master_port=0: give it a free port
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        launcher = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+        launcher = [
+            str(Path(sys.executable).parent / "torchrun"),
+            f"--nproc_per_node={ranks}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+        ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions")}
-    done = subprocess.run([*launcher, str(script), str(listing), str(out)], capture_output=True, text=True, env=env, timeout=900)
+    done = subprocess.run(
+        [*launcher, str(script), str(listing), str(out)], capture_output=True, text=True, env=env, timeout=900
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return out
 
@@ -140,7 +149,11 @@ class Results:
         return load_file(str(self.folder / name / "model.safetensors"))
 
     def agent_norms(self, name: str) -> dict[str, float]:
-        return {key.split("/")[1]: value for key, value in self.metrics(name).items() if key.startswith("agent/") and key.endswith("/grad_norm")}
+        return {
+            key.split("/")[1]: value
+            for key, value in self.metrics(name).items()
+            if key.startswith("agent/") and key.endswith("/grad_norm")
+        }
 
 
 @pytest.fixture(scope="module")

@@ -164,17 +164,11 @@ def dockerfile_problems(path: Path, flavor: str) -> list[str]:
 
     for arg, dist in PINNED_ARGS.items():
         if args.get(arg) != pins.get(dist):
-            problems.append(
-                f"ARG {arg}={args.get(arg)} but pyproject pins {dist}=={pins.get(dist)}"
-            )
+            problems.append(f"ARG {arg}={args.get(arg)} but pyproject pins {dist}=={pins.get(dist)}")
         if dist in constraints and args.get(arg) != constraints[dist]:
-            problems.append(
-                f"ARG {arg}={args.get(arg)} but constraints.txt pins {constraints[dist]}"
-            )
+            problems.append(f"ARG {arg}={args.get(arg)} but constraints.txt pins {constraints[dist]}")
     if args.get("DRMAS_VERSION") != meta["version"]:
-        problems.append(
-            f"ARG DRMAS_VERSION={args.get('DRMAS_VERSION')}, pyproject: {meta['version']}"
-        )
+        problems.append(f"ARG DRMAS_VERSION={args.get('DRMAS_VERSION')}, pyproject: {meta['version']}")
 
     python = args.get("PYTHON_VERSION", "")
     if not re.fullmatch(r"3\.11\.\d+", python):
@@ -258,9 +252,7 @@ def test_a_broken_dockerfile_fails_the_rules(tmp_path: Path) -> None:
     good = (IMAGES / "Dockerfile.cpu").read_text()
     broken = (
         good.replace("ARG TORCH_VERSION=2.13.0", "ARG TORCH_VERSION=2.14.1")
-        .replace(
-            "FROM docker.io/library/python:${PYTHON_VERSION}-slim-bookworm", "FROM python:latest"
-        )
+        .replace("FROM docker.io/library/python:${PYTHON_VERSION}-slim-bookworm", "FROM python:latest")
         .replace("USER 1000:1000", "USER root")
         .replace("PYTHONUNBUFFERED=1", "PYTHONUNBUFFERED=0")
         .replace('org.opencontainers.image.revision="${VCS_REF}"', "")
@@ -282,13 +274,8 @@ def test_a_broken_dockerfile_fails_the_rules(tmp_path: Path) -> None:
 
 def test_check_versions_script_checks_installed_pins() -> None:
     script = IMAGES / "check_versions.py"
-    pins = [
-        f"{dist}=={Dockerfile(IMAGES / 'Dockerfile.cpu').args[arg]}"
-        for arg, dist in PINNED_ARGS.items()
-    ]
-    ok = subprocess.run(
-        [sys.executable, str(script), *pins], check=False, capture_output=True, text=True
-    )
+    pins = [f"{dist}=={Dockerfile(IMAGES / 'Dockerfile.cpu').args[arg]}" for arg, dist in PINNED_ARGS.items()]
+    ok = subprocess.run([sys.executable, str(script), *pins], check=False, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     bad = subprocess.run(
         [sys.executable, str(script), "torch==0.0.1", "no-such-dist==1.0"],
@@ -316,26 +303,20 @@ def test_build_script_is_executable_and_parses() -> None:
     script = IMAGES / "build.sh"
     assert os.access(script, os.X_OK), "images/build.sh must be executable"
     assert script.read_text().startswith("#!/usr/bin/env bash\n")
-    syntax = subprocess.run(
-        ["bash", "-n", str(script)], check=False, capture_output=True, text=True
-    )
+    syntax = subprocess.run(["bash", "-n", str(script)], check=False, capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_build_script_default_tag_is_version_and_sha(flavor: str) -> None:
-    inside = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--git-dir"], check=False, capture_output=True
-    )
+    inside = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--git-dir"], check=False, capture_output=True)
     if inside.returncode != 0:
         pytest.skip("not a git checkout: build.sh needs an explicit TAG here")
     result = _build(flavor)
     assert result.returncode == 0, result.stderr
     reference = result.stdout.strip().splitlines()[-1]
     version = re.escape(project()["version"])
-    assert re.fullmatch(
-        rf"ghcr\.io/drmas/drmas-{flavor}:{version}-[0-9a-f]{{7,40}}(-dirty)?", reference
-    )
+    assert re.fullmatch(rf"ghcr\.io/drmas/drmas-{flavor}:{version}-[0-9a-f]{{7,40}}(-dirty)?", reference)
     assert f"images/Dockerfile.{flavor}" in result.stderr  # the command it would run
 
 

@@ -66,18 +66,34 @@ def kill_plan(seed: int, per_kind: int = 2) -> list[KillPoint]:
         for kind, artifact, files in stage_artifacts(iteration):
             candidates += [KillPoint(kind, artifact, "manifest")]
             candidates += [KillPoint(kind, artifact, n, torn) for n in range(1, files + 1) for torn in (False, True)]
-    chosen = {point for kind in STAGE_KINDS for point in rng.sample([c for c in candidates if c.kind == kind], per_kind)}
+    chosen = {
+        point for kind in STAGE_KINDS for point in rng.sample([c for c in candidates if c.kind == kind], per_kind)
+    }
     return [point for point in candidates if point in chosen]
 
 
 def drmas_run(tmp_path: Path, run: str, resume: bool, kill_at: str | None = None) -> subprocess.Popen:
-    command = [str(Path(sys.executable).parent / "drmas"), "run", str(ROOT / "configs" / "math_tiny.yaml"), *SETTINGS, f"store.root={tmp_path / 'runs'}"]
+    command = [
+        str(Path(sys.executable).parent / "drmas"),
+        "run",
+        str(ROOT / "configs" / "math_tiny.yaml"),
+        *SETTINGS,
+        f"store.root={tmp_path / 'runs'}",
+    ]
     command += ["--resume", run] if resume else ["--run-id", run]
     env = {key: value for key, value in os.environ.items() if key != KILL_AT} | {"HF_HUB_OFFLINE": "1"}
     if kill_at:
         env[KILL_AT] = kill_at
     # Its own session: a kill takes the driver, its Ray and its update processes, nothing else.
-    return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def finish(process: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
@@ -107,7 +123,9 @@ def final_state(store: Store, run: str) -> dict[str, bytes]:
             state |= {f"{iteration}/optim/{wg}/{name}": optim.read_bytes(name) for name in sorted(optim.files)}
         state[f"{iteration}/eval"] = store.open(f"{prefix}/evaluate").read_bytes("eval.parquet")
         metrics = store.open(f"{prefix}/checkpoint").read_json("metrics.json")
-        steady = {k: v for k, v in metrics.items() if not k.startswith("time/") and not k.endswith(("/time", "tokens_per_s"))}
+        steady = {
+            k: v for k, v in metrics.items() if not k.startswith("time/") and not k.endswith(("/time", "tokens_per_s"))
+        }
         state[f"{iteration}/metrics"] = json.dumps(steady, sort_keys=True).encode()
     return state
 
@@ -157,7 +175,11 @@ def differences(actual: dict[str, bytes], expected: dict[str, bytes]) -> list[st
             continue
         if key.endswith("/metrics") and key in actual and key in expected:
             mine, theirs = json.loads(actual[key]), json.loads(expected[key])
-            found += [f"{key}: {name} {mine.get(name)} != {theirs.get(name)}" for name in sorted(set(mine) | set(theirs)) if str(mine.get(name)) != str(theirs.get(name))]
+            found += [
+                f"{key}: {name} {mine.get(name)} != {theirs.get(name)}"
+                for name in sorted(set(mine) | set(theirs))
+                if str(mine.get(name)) != str(theirs.get(name))
+            ]
         else:
             found.append(key)
     return found

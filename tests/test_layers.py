@@ -21,7 +21,19 @@ ALLOWED: dict[str, set[str]] = {
     "generation": {"config", "infra", "models", "generation"},
     "stages": {"algos", "config", "registry", "infra", "models", "tasks", "team", "training", "generation", "stages"},
     # The runner writes a run's report at its end; `drmas compare` (analysis) runs runs.
-    "runner": {"algos", "config", "registry", "infra", "models", "tasks", "team", "training", "generation", "stages", "analysis.report"},
+    "runner": {
+        "algos",
+        "config",
+        "registry",
+        "infra",
+        "models",
+        "tasks",
+        "team",
+        "training",
+        "generation",
+        "stages",
+        "analysis.report",
+    },
     "analysis": {"config", "infra", "runner", "analysis"},
     "cli": {"*"},
 }
@@ -60,7 +72,9 @@ def test_every_layer_imports_only_the_layers_below_it():
         if path.name == "__init__.py" and path.parent == SRC / "drmas":
             continue
         layer = _layer(path)
-        assert layer in ALLOWED, f"{path.relative_to(SRC)}: a new layer? add it to ALLOWED and to docs/architecture.md §3"
+        assert layer in ALLOWED, (
+            f"{path.relative_to(SRC)}: a new layer? add it to ALLOWED and to docs/architecture.md §3"
+        )
         for line, target in _drmas_imports(path):
             if target == "drmas_kfp" and layer != "cli":
                 crossings.append(f"{path.relative_to(SRC)}:{line} imports the Kubeflow layer (only the CLI may)")

@@ -145,9 +145,7 @@ def rendered(name: str) -> list[dict]:
 
 
 def find(docs: list[dict], kind: str, name: str | None = None) -> list[dict]:
-    return [
-        d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
-    ]
+    return [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
 
 
 def one(docs: list[dict], kind: str, name: str | None = None) -> dict:
@@ -205,9 +203,7 @@ def pod_containers(template: dict) -> list[dict]:
 def ray_validators() -> dict[str, jsonschema.protocols.Validator]:
     """Validators for ray.io/v1 kinds: the repository's schemas plus the core definitions."""
     package = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
-    definitions = json.loads(
-        (package / f"v{latest_version()}-local-strict" / "_definitions.json").read_text()
-    )
+    definitions = json.loads((package / f"v{latest_version()}-local-strict" / "_definitions.json").read_text())
     schemas = {
         kind: json.loads((MANIFESTS / "schemas" / f"{kind.lower()}.json").read_text())
         for kind in ("RayCluster", "RayJob")
@@ -252,9 +248,7 @@ def image_problems(where: str, image: str) -> list[str]:
     if not tag or tag == "latest" or not re.search(r"\d", tag):
         return [f"{where}: image {image!r} is not pinned to a version tag"]
     if name.endswith(("/drmas-cpu", "/drmas-gpu")):
-        version = re.escape(
-            tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-        )
+        version = re.escape(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"])
         if not re.fullmatch(rf"{version}(-[0-9a-f]{{7,40}})?", tag):
             return [f"{where}: drmas image tag {tag!r} is not one images/build.sh makes"]
     return []
@@ -316,9 +310,7 @@ def pod_problems(docs: list[dict]) -> list[str]:
             problems += resource_problems(at, container.get("resources"))
             problems += hardening_problems(at, container.get("securityContext") or {}, pod_context)
             problems += image_problems(at, container.get("image", ""))
-            user = (container.get("securityContext") or {}).get(
-                "runAsUser", pod_context.get("runAsUser")
-            )
+            user = (container.get("securityContext") or {}).get("runAsUser", pod_context.get("runAsUser"))
             if "/drmas-" in container.get("image", "") and user != DRMAS_UID:
                 problems.append(f"{at}: drmas images run as uid {DRMAS_UID}, not {user}")
     for cluster in find(docs, "RayCluster") + [
@@ -332,9 +324,7 @@ def pod_problems(docs: list[dict]) -> list[str]:
             head = cluster["spec"]["headGroupSpec"]["template"].get("spec", {})
             at = f"RayCluster/{cluster['metadata']['name']}/autoscaler"
             problems += resource_problems(at, options.get("resources"))
-            problems += hardening_problems(
-                at, options.get("securityContext") or {}, head.get("securityContext") or {}
-            )
+            problems += hardening_problems(at, options.get("securityContext") or {}, head.get("securityContext") or {})
     return problems
 
 
@@ -343,9 +333,7 @@ def rbac_problems(docs: list[dict]) -> list[str]:
     for doc in docs:
         kind, name, _ = key(doc)
         if kind in ("ClusterRole", "ClusterRoleBinding"):
-            problems.append(
-                f"{kind}/{name}: cluster-wide RBAC; the pipeline needs a namespaced Role"
-            )
+            problems.append(f"{kind}/{name}: cluster-wide RBAC; the pipeline needs a namespaced Role")
         if kind == "Role":
             for index, rule in enumerate(doc.get("rules", [])):
                 at = f"Role/{name} rule {index}"
@@ -359,9 +347,7 @@ def rbac_problems(docs: list[dict]) -> list[str]:
                     if not rule.get("resourceNames"):
                         problems.append(f"{at}: secrets without resourceNames")
                     if verbs != {"get"}:
-                        problems.append(
-                            f"{at}: secrets allow only get (list ignores resourceNames)"
-                        )
+                        problems.append(f"{at}: secrets allow only get (list ignores resourceNames)")
         if kind == "RoleBinding":
             ref = doc.get("roleRef", {})
             if ref.get("kind") != "Role" or not find(docs, "Role", ref.get("name")):
@@ -369,13 +355,9 @@ def rbac_problems(docs: list[dict]) -> list[str]:
             for subject in doc.get("subjects", []):
                 accounts = find(docs, subject.get("kind", ""), subject.get("name"))
                 if subject.get("kind") != "ServiceAccount" or not accounts:
-                    problems.append(
-                        f"RoleBinding/{name}: subject {subject} is not a ServiceAccount here"
-                    )
+                    problems.append(f"RoleBinding/{name}: subject {subject} is not a ServiceAccount here")
                 elif subject.get("namespace") != accounts[0]["metadata"].get("namespace"):
-                    problems.append(
-                        f"RoleBinding/{name}: subject namespace {subject.get('namespace')}"
-                    )
+                    problems.append(f"RoleBinding/{name}: subject namespace {subject.get('namespace')}")
     return problems
 
 
@@ -417,9 +399,7 @@ def reference_problems(docs: list[dict]) -> list[str]:
     for service in find(docs, "Service"):
         selector = service["spec"].get("selector") or {}
         if not any(selector.items() <= pod.items() for pod in labels):
-            problems.append(
-                f"Service/{service['metadata']['name']}: selector {selector} selects no pod"
-            )
+            problems.append(f"Service/{service['metadata']['name']}: selector {selector} selects no pod")
     return problems
 
 
@@ -523,9 +503,7 @@ def test_an_overlay_retags_images_inside_the_raycluster(tmp_path: Path) -> None:
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
         "resources": [str(MANIFESTS / "base")],
-        "images": [
-            {"name": "ghcr.io/drmas/drmas-gpu", "newName": new, "newTag": "0.1.0-1a2b3c4d5e6f"}
-        ],
+        "images": [{"name": "ghcr.io/drmas/drmas-gpu", "newName": new, "newTag": "0.1.0-1a2b3c4d5e6f"}],
     }
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(overlay))
     docs = render(tmp_path)
@@ -557,10 +535,7 @@ def test_raycluster_is_the_pool_drmas_schedules_on() -> None:
     (container,) = group["template"]["spec"]["containers"]
     gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
     assert advertised == {pool_resource: gpus}, "one pool slot per GPU of the worker"
-    assert (
-        container["resources"]["requests"]["nvidia.com/gpu"]
-        == container["resources"]["limits"]["nvidia.com/gpu"]
-    )
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == container["resources"]["limits"]["nvidia.com/gpu"]
 
     head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
     ports = {p["containerPort"] for p in head["ports"]}
@@ -568,9 +543,7 @@ def test_raycluster_is_the_pool_drmas_schedules_on() -> None:
         address = urlparse(config["ray"]["address"])
         assert address.scheme == "ray" and address.port in ports
         assert address.hostname == f"{cluster['metadata']['name']}-head-svc"
-        slots_per_pod = (
-            advertised[pool_resource] if config["ray"]["pool_resource"] == pool_resource else gpus
-        )
+        slots_per_pod = advertised[pool_resource] if config["ray"]["pool_resource"] == pool_resource else gpus
         assert config["ray"]["pool_size"] <= group["maxReplicas"] * slots_per_pod
     assert GPU_CONFIGS, "the GPU configs are what the cluster is for"
 
@@ -610,9 +583,7 @@ def test_rbac_grants_only_named_gets() -> None:
     secret_rule = next(r for r in role["rules"] if "secrets" in r["resources"])
     assert secret_rule["resourceNames"] == ["drmas-s3"]
     binding = one(base, "RoleBinding")
-    assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": "drmas-pipeline", "namespace": "drmas"}
-    ]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "drmas-pipeline", "namespace": "drmas"}]
 
 
 def test_secret_templates_hold_only_placeholders() -> None:
@@ -640,9 +611,7 @@ def test_object_store_serves_the_drmas_bucket() -> None:
     env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]}
     assert env["AWS_ACCESS_KEY_ID"] == {"name": "drmas-s3", "key": "AWS_ACCESS_KEY_ID"}
     policy = one(store, "NetworkPolicy")
-    assert [p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]] == [
-        endpoint.port
-    ]
+    assert [p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]] == [endpoint.port]
 
 
 def test_rayjob_runs_drmas_on_the_shared_cluster() -> None:
@@ -700,9 +669,7 @@ def _run_as_root(docs: list[dict]) -> None:
 
 
 def _keep_capabilities(docs: list[dict]) -> None:
-    _worker(docs)["template"]["spec"]["containers"][0]["securityContext"]["capabilities"] = {
-        "drop": []
-    }
+    _worker(docs)["template"]["spec"]["containers"][0]["securityContext"]["capabilities"] = {"drop": []}
 
 
 def _latest_image(docs: list[dict]) -> None:
@@ -720,9 +687,7 @@ def _list_secrets(docs: list[dict]) -> None:
 
 
 def _create_pods(docs: list[dict]) -> None:
-    one(docs, "Role")["rules"].append(
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["create"]}
-    )
+    one(docs, "Role")["rules"].append({"apiGroups": [""], "resources": ["pods"], "verbs": ["create"]})
 
 
 def _missing_secret_key(docs: list[dict]) -> None:

@@ -12,7 +12,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from drmas.team.agents import extract_boxed
 from drmas.config import DataConfig
 from drmas.tasks import DataError, Question
 from drmas.tasks.math import (
@@ -22,6 +21,7 @@ from drmas.tasks.math import (
     math_reward,
     normalize_answer,
 )
+from drmas.team.agents import extract_boxed
 
 # --------------------------------------------------------------------------------------
 # extract_boxed
@@ -440,9 +440,7 @@ def test_answers_may_be_lists_and_numbers(tmp_path):
 
 def test_blank_jsonl_lines_are_skipped_and_ids_are_kept(tmp_path):
     path = tmp_path / "ids.jsonl"
-    path.write_text(
-        '{"id": 7, "question": "a", "answer": "1"}\n\n{"id": 9, "question": "b", "answer": "2"}\n'
-    )
+    path.write_text('{"id": 7, "question": "a", "answer": "1"}\n\n{"id": 9, "question": "b", "answer": "2"}\n')
     assert [q.qid for q in load_math_questions(str(path), "train", DataConfig(), 0)] == ["7", "9"]
 
 

@@ -12,16 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from drmas.team.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent, find_tag
 from drmas.config import load_config
-from drmas.team.episodes import Episode
-from drmas.tasks.math import MathOrchestra
-from drmas.tasks.search import SearchOrchestra
-from drmas.team.orchestras import Tools
+from drmas.generation.workers import GenerationResult
 from drmas.stages.rollout import build_team, draw_questions, play
 from drmas.tasks import Question
-from drmas.tasks.search import Passage, Retriever
-from drmas.generation.workers import GenerationResult
+from drmas.tasks.search import Passage, Retriever, SearchOrchestra
+from drmas.team.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent, find_tag
+from drmas.team.episodes import Episode
+from drmas.team.orchestras import Tools
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -38,9 +36,7 @@ class ScriptedPool:
 
     def generate(self, wg, messages, sampling, seed):
         self.calls.append((wg, len(messages)))
-        return [
-            GenerationResult([1, 2, 3], [4, 5], [-0.5, -0.25], self.script(wg, m), "stop") for m in messages
-        ]
+        return [GenerationResult([1, 2, 3], [4, 5], [-0.5, -0.25], self.script(wg, m), "stop") for m in messages]
 
 
 def math_team(script, *overrides):
@@ -96,11 +92,16 @@ def test_math_final_answer_is_the_last_solver_output():
     assert episode.reward == 1.0 and episode.success
     # The second Solver read the first attempt and the Verifier's whole critique, as in
     # the reference (not only the verdict word).
-    assert episode.team_context[:2] == ["Solver: first try \\boxed{3}", "Verifier: 3 + 4 is not 3. <verify>reject</verify>"]
+    assert episode.team_context[:2] == [
+        "Solver: first try \\boxed{3}",
+        "Verifier: 3 + 4 is not 3. <verify>reject</verify>",
+    ]
     assert "Verifier: 3 + 4 is not 3. <verify>reject</verify>" in solver_prompts[1]
 
 
-@pytest.mark.parametrize(("passes", "expected"), [(True, ["solver", "verifier"]), (False, ["solver", "verifier", "solver"])])
+@pytest.mark.parametrize(
+    ("passes", "expected"), [(True, ["solver", "verifier"]), (False, ["solver", "verifier", "solver"])]
+)
 def test_math_malformed_verdict_is_a_documented_setting(passes, expected):
     def script(wg, prompt):
         return "\\boxed{7}" if wg == "solver" else "looks fine <verify>maybe</verify>"
@@ -188,7 +189,9 @@ def test_search_answer_without_tags_is_an_empty_action_and_the_episode_goes_on()
     assert [c.env_step for c in episode.calls] == [1, 1, 2, 2]
     assert not episode.calls[1].is_valid and episode.reward == 1.0
     # Never tagged: the episode runs to the turn limit and ends without an answer.
-    orchestra, team, _ = search_team(lambda wg, p: "<verify>yes</verify>" if wg == "verifier" else "Quellin", "task.max_turns=2")
+    orchestra, team, _ = search_team(
+        lambda wg, p: "<verify>yes</verify>" if wg == "verifier" else "Quellin", "task.max_turns=2"
+    )
     [untagged] = play(orchestra, team, questions("capital?", answer="Quellin"), 1, "t")
     assert agents_of(untagged) == ["verifier", "answer"] * 2
     assert untagged.final_answer is None and untagged.reward == 0.0
@@ -223,7 +226,14 @@ def test_search_malformed_route_counts_as_yes_and_batches_per_step():
     assert agents_of(second) == ["verifier", "search", "verifier", "search", "verifier"]
     assert not second.calls[1].is_valid and second.history[0][0] == "Quellin"
     # Per step: one verifier call over all active episodes, one search and one answer call.
-    assert pool.calls == [("verifier", 3), ("search", 2), ("answer", 1), ("verifier", 2), ("search", 2), ("verifier", 2)]
+    assert pool.calls == [
+        ("verifier", 3),
+        ("search", 2),
+        ("answer", 1),
+        ("verifier", 2),
+        ("search", 2),
+        ("verifier", 2),
+    ]
 
 
 def test_search_orchestra_requires_a_retriever():
@@ -284,7 +294,7 @@ def test_draw_questions_cycles_epochs_without_repeats():
     assert [q.qid for q in draw_questions(pool, 5, 0, seed=1)] != [q.qid for q in draw_questions(pool, 5, 0, seed=2)]
 
 
-USER_ORCHESTRA = '''
+USER_ORCHESTRA = """
 from drmas.team.agents import Parsed
 
 
@@ -318,7 +328,7 @@ class PlanThenCode:
 
     def reward(self, episode):
         return float(episode.final_answer in episode.question.answers)
-'''
+"""
 
 
 def test_a_user_orchestra_named_by_import_path_runs(tmp_path, monkeypatch):
@@ -326,7 +336,10 @@ def test_a_user_orchestra_named_by_import_path_runs(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     config = load_config(
         CONFIGS / "math_tiny.yaml",
-        ["task.orchestra=plan_then_code_team:PlanThenCode", "agents=[{name: planner, model: tiny}, {name: coder, model: tiny}]"],
+        [
+            "task.orchestra=plan_then_code_team:PlanThenCode",
+            "agents=[{name: planner, model: tiny}, {name: coder, model: tiny}]",
+        ],
     )
     pool = ScriptedPool(lambda wg, prompt: "PLAN add" if wg == "planner" else ("7" if "PLAN add" in prompt else "?"))
     orchestra, team = build_team(config, Tools(), pool, seed=0)

@@ -17,10 +17,10 @@ import pytest
 import yaml
 from helpers import TINY_OVERRIDES
 
-from drmas_kfp import components
 import drmas
 from drmas.cli import main
 from drmas.config import load_config
+from drmas_kfp import components
 from drmas_kfp.pipelines.build import build_pipeline, compile_pipeline, parse_force
 from drmas_kfp.pipelines.platform import S3_SECRET
 
@@ -53,7 +53,9 @@ def stage_of(task: dict) -> str:
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("kind,start", [("train", 0), ("train", 2), ("rl_iteration", 0), ("rl_iteration", 1), ("evaluate", 0)])
+@pytest.mark.parametrize(
+    "kind,start", [("train", 0), ("train", 2), ("rl_iteration", 0), ("rl_iteration", 1), ("evaluate", 0)]
+)
 def test_every_pipeline_compiles_loads_back_and_pins_the_images(tmp_path, name, kind, start):
     from kfp.components import load_component_from_file
 
@@ -65,7 +67,11 @@ def test_every_pipeline_compiles_loads_back_and_pins_the_images(tmp_path, name, 
     assert set(loaded.component_spec.inputs) == set(arguments)
     assert json.loads(loaded.component_spec.inputs["config_json"].default) == json.loads(config.to_json())
     spec, platform = yaml.safe_load_all(path.read_text())
-    images = {executor["container"]["image"] for executor in spec["deploymentSpec"]["executors"].values() if "container" in executor}
+    images = {
+        executor["container"]["image"]
+        for executor in spec["deploymentSpec"]["executors"].values()
+        if "container" in executor
+    }
     assert images <= {components.CPU_IMAGE, components.GPU_IMAGE} and components.CPU_IMAGE in images
     assert all(image.endswith(f":{drmas.__version__}") for image in images)
     tasks = spec["root"]["dag"]["tasks"]
@@ -74,15 +80,30 @@ def test_every_pipeline_compiles_loads_back_and_pins_the_images(tmp_path, name, 
         assert {stage_of(t) for t in tasks.values()} == {"importer", "load_checkpoint", "evaluate"}
         return
     first, last = start, (config.experiment.iterations if kind == "train" else start + 1)
-    counted = {stage: sum(stage_of(t) == stage for t in tasks.values()) for stage in ("rollout", "advantage", "update", "checkpoint", "evaluate")}
-    due = sum(bool(config.eval.every) and ((i + 1) % config.eval.every == 0 or i == config.experiment.iterations - 1) for i in range(first, last))
+    counted = {
+        stage: sum(stage_of(t) == stage for t in tasks.values())
+        for stage in ("rollout", "advantage", "update", "checkpoint", "evaluate")
+    }
+    due = sum(
+        bool(config.eval.every) and ((i + 1) % config.eval.every == 0 or i == config.experiment.iterations - 1)
+        for i in range(first, last)
+    )
     before = int(kind == "train" and start == 0 and bool(config.eval.every))
-    assert counted == {"rollout": last - first, "advantage": last - first, "update": groups * (last - first), "checkpoint": last - first, "evaluate": due + before}
+    assert counted == {
+        "rollout": last - first,
+        "advantage": last - first,
+        "update": groups * (last - first),
+        "checkpoint": last - first,
+        "evaluate": due + before,
+    }
     assert sum(stage_of(t) == "importer" for t in tasks.values()) == int(start > 0)
     assert sum(stage_of(t) == "warmstart" for t in tasks.values()) == int(start == 0)
     # The iterations are chained: each rollout reads the previous iteration's checkpoint.
     for task in tasks.values():
-        if stage_of(task) == "rollout" and task["inputs"]["parameters"]["iteration"]["runtimeValue"]["constant"] > start:
+        if (
+            stage_of(task) == "rollout"
+            and task["inputs"]["parameters"]["iteration"]["runtimeValue"]["constant"] > start
+        ):
             assert task["inputs"]["artifacts"]["policies"]["taskOutputArtifact"]["outputArtifactKey"] == "checkpoint"
 
 
@@ -98,9 +119,17 @@ def test_each_stage_is_placed_and_gets_the_s3_secret(tmp_path):
             label = task["componentRef"]["name"].replace("comp-", "exec-")
             container = spec["deploymentSpec"]["executors"][label]["container"]
             k8s = executors[label]
-            assert container["image"] == (components.GPU_IMAGE if stage in GPU_STAGES else components.CPU_IMAGE), task_name
-            secret_keys = {(s["secretName"], e["secretKey"], e["envVar"], s["optional"]) for s in k8s["secretAsEnv"] for e in s["keyToEnv"]}
-            assert {(S3_SECRET, key, key, False) for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")} <= secret_keys
+            assert container["image"] == (components.GPU_IMAGE if stage in GPU_STAGES else components.CPU_IMAGE), (
+                task_name
+            )
+            secret_keys = {
+                (s["secretName"], e["secretKey"], e["envVar"], s["optional"])
+                for s in k8s["secretAsEnv"]
+                for e in s["keyToEnv"]
+            }
+            assert {
+                (S3_SECRET, key, key, False) for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+            } <= secret_keys
             assert (S3_SECRET, "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL", True) in secret_keys
             assert "resourceCpuRequest" in container["resources"] and "resourceMemoryLimit" in container["resources"]
             assert k8s["nodeSelector"]["labels"]["kubernetes.io/arch"] == "amd64"
@@ -108,7 +137,12 @@ def test_each_stage_is_placed_and_gets_the_s3_secret(tmp_path):
             accelerator = container["resources"].get("accelerator")
             if on_gpu:
                 count = config.ray.pool_size if stage in {"rollout", "evaluate"} else 1
-                assert accelerator == {"resourceType": "nvidia.com/gpu", "resourceCount": str(count), "type": "nvidia.com/gpu", "count": str(count)}, task_name
+                assert accelerator == {
+                    "resourceType": "nvidia.com/gpu",
+                    "resourceCount": str(count),
+                    "type": "nvidia.com/gpu",
+                    "count": str(count),
+                }, task_name
                 assert k8s["nodeSelector"]["labels"]["nvidia.com/gpu.present"] == "true"
                 assert k8s["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
             else:
@@ -127,15 +161,25 @@ def test_force_turns_off_caching_for_the_named_tasks_only(tmp_path):
         assert task.get("cachingOptions", {}).get("enableCache", False) is (not force)
         if force:
             forced.add(task["taskInfo"]["name"])
-    assert forced == {"advantage 1", "update verifier 0", "update verifier 1", "update verifier 2", "evaluate before training"}
+    assert forced == {
+        "advantage 1",
+        "update verifier 0",
+        "update verifier 1",
+        "update verifier 2",
+        "evaluate before training",
+    }
 
 
 def test_force_names_are_checked():
     config = config_of("math_tiny")
     assert parse_force(["policy/solver@2"], config)("update", 2, "solver")
     assert not parse_force(["policy/solver@2"], config)("update", 2, "verifier")
-    for bad, message in [("advantag", "unknown stage"), ("update/critic", "no worker group 'critic'"),
-                         ("rollout/solver", "only update takes"), ("rollout@x", "not an iteration")]:
+    for bad, message in [
+        ("advantag", "unknown stage"),
+        ("update/critic", "no worker group 'critic'"),
+        ("rollout/solver", "only update takes"),
+        ("rollout@x", "not an iteration"),
+    ]:
         with pytest.raises(ValueError, match=message):
             parse_force([bad], config)
 
@@ -146,21 +190,41 @@ def test_a_long_run_compiles_in_parts(tmp_path):
     func, arguments = build_pipeline("train", config, "run-1", 40, iterations=10)
     assert arguments["start_checkpoint"] == "s3://drmas/runs/math-qwen3-4b/run-1/iter-000039/checkpoint"
     spec, _ = compiled(tmp_path, "train", config, start=40, iterations=10)
-    iterations = sorted(t["inputs"]["parameters"]["iteration"]["runtimeValue"]["constant"]
-                        for t in spec["root"]["dag"]["tasks"].values() if stage_of(t) == "rollout")
+    iterations = sorted(
+        t["inputs"]["parameters"]["iteration"]["runtimeValue"]["constant"]
+        for t in spec["root"]["dag"]["tasks"].values()
+        if stage_of(t) == "rollout"
+    )
     assert iterations == list(range(40, 50))
 
 
 def test_cli_compile_writes_the_pipeline_and_refuses_pipeline_options_without_kfp_local(tmp_path, capsys):
     out = tmp_path / "pipeline.yaml"
-    code = main(["compile", str(ROOT / "configs" / "math_tiny.yaml"), "experiment.iterations=2", "-o", str(out),
-                 "--pipeline", "rl_iteration", "--start-iteration", "1", "--run-id", "r7", "--force", "update"])
+    code = main(
+        [
+            "compile",
+            str(ROOT / "configs" / "math_tiny.yaml"),
+            "experiment.iterations=2",
+            "-o",
+            str(out),
+            "--pipeline",
+            "rl_iteration",
+            "--start-iteration",
+            "1",
+            "--run-id",
+            "r7",
+            "--force",
+            "update",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     assert f"to {out}" in capsys.readouterr().out
     spec = next(yaml.safe_load_all(out.read_text()))
     assert spec["pipelineInfo"]["name"] == "drmas-rl-iteration-math-tiny"
     assert spec["root"]["inputDefinitions"]["parameters"]["run_id"]["defaultValue"] == "r7"
-    assert spec["root"]["inputDefinitions"]["parameters"]["start_checkpoint"]["defaultValue"].endswith("math-tiny/r7/iter-000000/checkpoint")
+    assert spec["root"]["inputDefinitions"]["parameters"]["start_checkpoint"]["defaultValue"].endswith(
+        "math-tiny/r7/iter-000000/checkpoint"
+    )
     assert main(["compile", str(ROOT / "configs" / "math_tiny.yaml"), "-o", str(out), "--force", "nonsense"]) == 2
     assert "unknown stage 'nonsense'" in capsys.readouterr().err
     assert main(["run", str(ROOT / "configs" / "math_tiny.yaml"), "--force", "advantage"]) == 2
@@ -178,9 +242,23 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 def kfp_local(tmp_path: Path, *args: str) -> tuple[str, dict[str, str]]:
     """`drmas run --via kfp-local` of rl_iteration in tmp_path (kfp.local's root and cache in
     tmp_path/.cache); returns its output and, per KFP task, 'executed' or 'cache hit'."""
-    command = [str(Path(sys.executable).parent / "drmas"), "run", str(ROOT / "configs" / "math_tiny.yaml"), *SMALL,
-               f"store.root={tmp_path / 'runs'}", "--via", "kfp-local", "--pipeline", "rl_iteration", "--run-id", "k", *args]
-    done = subprocess.run(command, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+    command = [
+        str(Path(sys.executable).parent / "drmas"),
+        "run",
+        str(ROOT / "configs" / "math_tiny.yaml"),
+        *SMALL,
+        f"store.root={tmp_path / 'runs'}",
+        "--via",
+        "kfp-local",
+        "--pipeline",
+        "rl_iteration",
+        "--run-id",
+        "k",
+        *args,
+    ]
+    done = subprocess.run(
+        command, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600
+    )
     output = ANSI.sub("", done.stdout + done.stderr)
     assert done.returncode == 0, output[-6000:]
     tasks = {name: "executed" for name in re.findall(r"Executing task '([\w-]+)'", output)}
@@ -213,9 +291,19 @@ def test_kfp_local_runs_every_stage_then_recomputes_only_the_forced_one(tmp_path
     assert set(tasks) == {"warmstart", "rollout", "advantage", "update", "update-2", "checkpoint", "evaluate"}
     assert set(stage_lines(output).values()) == {"computed"}
     run = tmp_path / "runs" / "math-tiny" / "k"
-    for stage in ("run", "init/policy/solver", "warmstart/policy/verifier", "iter-000000/rollout", "iter-000000/advantage",
-                  "iter-000000/policy/solver", "iter-000000/policy/verifier", "iter-000000/optim/solver",
-                  "iter-000000/optim/verifier", "iter-000000/checkpoint", "iter-000000/evaluate"):
+    for stage in (
+        "run",
+        "init/policy/solver",
+        "warmstart/policy/verifier",
+        "iter-000000/rollout",
+        "iter-000000/advantage",
+        "iter-000000/policy/solver",
+        "iter-000000/policy/verifier",
+        "iter-000000/optim/solver",
+        "iter-000000/optim/verifier",
+        "iter-000000/checkpoint",
+        "iter-000000/evaluate",
+    ):
         assert (run / stage / "_MANIFEST.json").is_file(), stage
     assert (run / "iter-000000" / "rollout" / "trajectories.parquet").is_file()
     assert (run / "iter-000000" / "evaluate" / "eval.parquet").is_file()
@@ -223,17 +311,31 @@ def test_kfp_local_runs_every_stage_then_recomputes_only_the_forced_one(tmp_path
     # The KFP artifacts are pointers to the store; their metrics files exist (cacheable).
     [pointer] = (tmp_path / ".cache" / "kfp-local").glob("drmas-rl-iteration-math-tiny-*/advantage/batch")
     assert json.loads(pointer.read_text())["store_uri"] == str(run / "iter-000000" / "advantage")
-    assert json.loads(next((tmp_path / ".cache" / "kfp-local").glob("*/advantage/metrics")).read_text())["batch/rows"] > 0
+    assert (
+        json.loads(next((tmp_path / ".cache" / "kfp-local").glob("*/advantage/metrics")).read_text())["batch/rows"] > 0
+    )
 
     before = manifests(run)
     batch = (run / "iter-000000" / "advantage" / "batch.parquet").read_bytes()
     started = time.monotonic()
     output, tasks = kfp_local(tmp_path, "--force", "advantage")
     forced_run = time.monotonic() - started
-    assert tasks == {"warmstart": "cache hit", "rollout": "cache hit", "advantage": "executed", "update": "executed",
-                     "update-2": "executed", "checkpoint": "executed", "evaluate": "executed"}
-    assert stage_lines(output) == {"advantage iter 0": "computed", "policy/solver iter 0": "reused", "policy/verifier iter 0": "reused",
-                                   "checkpoint iter 0": "reused", "evaluate iter 0": "reused"}
+    assert tasks == {
+        "warmstart": "cache hit",
+        "rollout": "cache hit",
+        "advantage": "executed",
+        "update": "executed",
+        "update-2": "executed",
+        "checkpoint": "executed",
+        "evaluate": "executed",
+    }
+    assert stage_lines(output) == {
+        "advantage iter 0": "computed",
+        "policy/solver iter 0": "reused",
+        "policy/verifier iter 0": "reused",
+        "checkpoint iter 0": "reused",
+        "evaluate iter 0": "reused",
+    }
     after = manifests(run)
     assert after.keys() == before.keys()
     assert [name for name in after if after[name] != before[name]] == ["iter-000000/advantage/_MANIFEST.json"]
@@ -280,7 +382,11 @@ class StubKfpApi:
                 if url.path == "/apis/v2beta1/healthz":
                     return self.reply({"commit_sha": "stub", "tag_name": "2.5.0", "multi_user": False})
                 if url.path == "/apis/v2beta1/experiments":
-                    wanted = {p["stringValue"] for p in json.loads(parse_qs(url.query)["filter"][0])["predicates"] if p["key"] == "display_name"}
+                    wanted = {
+                        p["stringValue"]
+                        for p in json.loads(parse_qs(url.query)["filter"][0])["predicates"]
+                        if p["key"] == "display_name"
+                    }
                     found = [e for e in stub.experiments.values() if e["display_name"] in wanted]
                     return self.reply({"experiments": found, "total_size": len(found)} if found else {})
                 stub.unexpected.append(f"GET {self.path}")
@@ -325,22 +431,56 @@ def test_submit_posts_the_compiled_pipeline_with_its_parameters(tmp_path, capsys
     config_file = str(ROOT / "configs" / "math_qwen3_4b_gpu.yaml")
     config = load_config(config_file, ["experiment.iterations=2"])
     with StubKfpApi() as api:
-        code = main(["submit", config_file, "experiment.iterations=2", "--host", api.host, "--run-id", "r1",
-                     "--run-name", "first", "-o", str(tmp_path / "submitted.yaml")])
+        code = main(
+            [
+                "submit",
+                config_file,
+                "experiment.iterations=2",
+                "--host",
+                api.host,
+                "--run-id",
+                "r1",
+                "--run-name",
+                "first",
+                "-o",
+                str(tmp_path / "submitted.yaml"),
+            ]
+        )
         assert code == 0, capsys.readouterr().err
         assert "as KFP run kfp-run-1 (drmas run r1)" in capsys.readouterr().out
-        code = main(["submit", config_file, "experiment.iterations=2", "--host", api.host, "--run-id", "r1",
-                     "--experiment", "math-qwen3-4b", "--force", "advantage@1"])
+        code = main(
+            [
+                "submit",
+                config_file,
+                "experiment.iterations=2",
+                "--host",
+                api.host,
+                "--run-id",
+                "r1",
+                "--experiment",
+                "math-qwen3-4b",
+                "--force",
+                "advantage@1",
+            ]
+        )
         assert code == 0, capsys.readouterr().err
     assert api.unexpected == []
     assert api.calls == [
-        "GET /apis/v2beta1/healthz", "GET /apis/v2beta1/experiments", "POST /apis/v2beta1/experiments", "POST /apis/v2beta1/runs",
-        "GET /apis/v2beta1/healthz", "GET /apis/v2beta1/experiments", "POST /apis/v2beta1/runs",  # the experiment exists now
+        "GET /apis/v2beta1/healthz",
+        "GET /apis/v2beta1/experiments",
+        "POST /apis/v2beta1/experiments",
+        "POST /apis/v2beta1/runs",
+        "GET /apis/v2beta1/healthz",
+        "GET /apis/v2beta1/experiments",
+        "POST /apis/v2beta1/runs",  # the experiment exists now
     ]
     [experiment] = api.experiments.values()
     assert experiment["display_name"] == "math-qwen3-4b"
     first, second = api.runs
-    assert first["display_name"] == "first" and first["experiment_id"] == experiment["experiment_id"] == second["experiment_id"]
+    assert (
+        first["display_name"] == "first"
+        and first["experiment_id"] == experiment["experiment_id"] == second["experiment_id"]
+    )
     assert first["service_account"] == "drmas-pipeline"
     assert first["runtime_config"]["parameters"] == {"config_json": config.to_json(), "run_id": "r1"}
     pipeline, platform = first["pipeline_spec"]["pipeline_spec"], first["pipeline_spec"]["platform_spec"]
@@ -349,8 +489,14 @@ def test_submit_posts_the_compiled_pipeline_with_its_parameters(tmp_path, capsys
     assert pipeline["pipelineInfo"]["name"] == "drmas-train-math-qwen3-4b"
     images = {e["container"]["image"] for e in pipeline["deploymentSpec"]["executors"].values()}
     assert images == {components.CPU_IMAGE, components.GPU_IMAGE}
-    assert all(any(s["secretName"] == S3_SECRET for s in e["secretAsEnv"]) for e in platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"].values())
-    caching = {t["taskInfo"]["name"]: t.get("cachingOptions", {}).get("enableCache", False) for t in second["pipeline_spec"]["pipeline_spec"]["root"]["dag"]["tasks"].values()}
+    assert all(
+        any(s["secretName"] == S3_SECRET for s in e["secretAsEnv"])
+        for e in platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"].values()
+    )
+    caching = {
+        t["taskInfo"]["name"]: t.get("cachingOptions", {}).get("enableCache", False)
+        for t in second["pipeline_spec"]["pipeline_spec"]["root"]["dag"]["tasks"].values()
+    }
     assert [name for name, enabled in caching.items() if not enabled] == ["advantage 1"]
     assert second["display_name"] == "r1 train (force advantage@1)"
 

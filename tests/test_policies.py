@@ -10,9 +10,9 @@ import pytest
 from safetensors.torch import load_file
 
 from drmas.config import ConfigError, ModelSpec, load_config
+from drmas.infra.store import Store
 from drmas.models import build_scratch_policy, load_model
 from drmas.stages.policies import init_policies
-from drmas.infra.store import Store
 
 ROOT = Path(__file__).parent.parent
 SMALL_MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1}
@@ -21,7 +21,11 @@ SMALL_MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1}
 def config_with_source(source: str, *extra: str):
     return load_config(
         ROOT / "configs" / "math_tiny.yaml",
-        [f"models.tiny={{source: '{source}', hidden_size: 32, intermediate_size: 64, num_layers: 1}}", "workers.sharing=by_model", *extra],
+        [
+            f"models.tiny={{source: '{source}', hidden_size: 32, intermediate_size: 64, num_layers: 1}}",
+            "workers.sharing=by_model",
+            *extra,
+        ],
     )
 
 
@@ -46,13 +50,18 @@ def test_earlier_runs_policy_on_s3_is_a_source(s3_env, tmp_path):
     local = Store(str(tmp_path / "store"))
     config = config_with_source(uri, f"store.endpoint={s3_env.endpoint}")
     [second] = init_policies(config, local, "later").values()
-    assert weights_of(s3, first.artifact, tmp_path / "a").keys() == weights_of(local, second.artifact, tmp_path / "b").keys()
+    assert (
+        weights_of(s3, first.artifact, tmp_path / "a").keys()
+        == weights_of(local, second.artifact, tmp_path / "b").keys()
+    )
     a, b = weights_of(s3, first.artifact, tmp_path / "c"), weights_of(local, second.artifact, tmp_path / "d")
     assert all((a[k] == b[k]).all() for k in a)
 
 
 def test_missing_local_source_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match=r"models.tiny: source '.*/nope' looks like a local folder but does not exist"):
+    with pytest.raises(
+        ConfigError, match=r"models.tiny: source '.*/nope' looks like a local folder but does not exist"
+    ):
         config_with_source(str(tmp_path / "nope"))
 
 

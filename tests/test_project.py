@@ -29,7 +29,16 @@ def test_the_probe_does_see_a_heavy_import():
 
 
 def test_layout():
-    for folder in ("src/drmas_kfp/pipelines", "src/drmas_kfp/components", "images", "manifests", "src/drmas", "tests", "bench", "configs"):
+    for folder in (
+        "src/drmas_kfp/pipelines",
+        "src/drmas_kfp/components",
+        "images",
+        "manifests",
+        "src/drmas",
+        "tests",
+        "bench",
+        "configs",
+    ):
         assert (ROOT / folder).is_dir(), folder
     for file in ("pyproject.toml", "README.md", "Makefile", ".ci/run", "constraints.txt"):
         assert (ROOT / file).is_file(), file
@@ -81,7 +90,9 @@ def test_cli_docs_cover_every_field():
     from drmas.config import DrmasConfig
 
     lines = _drmas("config", "--docs").stdout.splitlines()
-    assert any(line.startswith("rollout.sampling.temperature (float, default 1.0): Sampling temperature") for line in lines)
+    assert any(
+        line.startswith("rollout.sampling.temperature (float, default 1.0): Sampling temperature") for line in lines
+    )
     assert any(line.startswith("agents[].lr (") for line in lines)
     documented = [line for line in lines if " (" in line.split(":")[0]]
     undocumented = [line for line in documented if line.rstrip().endswith(":")]

@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from drmas.stages import warmstart
 from drmas.config import ConfigError, DrmasConfig, ModelSpec, SamplingConfig, load_config
+from drmas.generation.workers import PolicyRef, WorkerGroupRuntime, truncate_prompt
+from drmas.infra.store import Store
 from drmas.models import build_scratch_policy, load_tokenizer
 from drmas.runner import open_run
-from drmas.infra.store import Store
-from drmas.generation.workers import PolicyRef, WorkerGroupRuntime, truncate_prompt
+from drmas.stages import warmstart
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 MATH_RECIPE = CONFIGS / "math_qwen3_4b_gpu.yaml"
@@ -258,7 +258,9 @@ def prompt_ids(folder: Path, tmp_path: Path, message: str, **settings: Any) -> l
 def test_worker_truncates_long_prompts_as_configured(truncation, no_think_policy, tmp_path):
     message = "BEGIN " + "12 + 30 = 42, " * 40 + "END"
     tokenizer = load_tokenizer(no_think_policy)
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False
+    )
     full = tokenizer(chat, add_special_tokens=False)["input_ids"]
     assert len(full) > 80
     ids = prompt_ids(no_think_policy, tmp_path, message, max_prompt_tokens=40, truncation=truncation)

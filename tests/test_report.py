@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from drmas.analysis.report import run_history, write_report
 from drmas.config import load_config
 from drmas.infra.layout import run_path, stage_path
-from drmas.analysis.report import run_history, write_report
 from drmas.infra.store import Store
 
 CONFIG = "configs/math_tiny.yaml"

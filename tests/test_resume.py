@@ -19,11 +19,26 @@ SMALL = ["experiment.iterations=3", *TINY_OVERRIDES]
 
 
 def drmas_run(tmp_path: Path, *args: str, wait: bool = True, config: str = "math_tiny.yaml"):
-    command = [str(Path(sys.executable).parent / "drmas"), "run", str(ROOT / "configs" / config), *SMALL, f"store.root={tmp_path / 'runs'}", *args]
+    command = [
+        str(Path(sys.executable).parent / "drmas"),
+        "run",
+        str(ROOT / "configs" / config),
+        *SMALL,
+        f"store.root={tmp_path / 'runs'}",
+        *args,
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if not wait:
         # Its own process group: the kill takes the driver and the Ray it started, nothing else.
-        return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        return subprocess.Popen(
+            command,
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -63,11 +78,15 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
     # A damaged last checkpoint: say which file and stop, non-zero; never run zero steps.
     optimizer = tmp_path / "runs" / "math-tiny" / "cut" / "iter-000002" / "optim" / "solver" / "optimizer.safetensors"
     optimizer.write_bytes(optimizer.read_bytes()[:100])
-    broken = drmas_run(tmp_path, "--resume", "cut", "eval.every=2", "eval.max_questions=3", "eval.k=2", "experiment.iterations=4")
+    broken = drmas_run(
+        tmp_path, "--resume", "cut", "eval.every=2", "eval.max_questions=3", "eval.k=2", "experiment.iterations=4"
+    )
     assert broken.returncode == 1
     assert "optim/solver/optimizer.safetensors" in broken.stderr and "manifest" in broken.stderr
 
-    changed = drmas_run(tmp_path, "--resume", "full", "eval.every=2", "eval.max_questions=3", "eval.k=2", "train.lr=0.5")
+    changed = drmas_run(
+        tmp_path, "--resume", "full", "eval.every=2", "eval.max_questions=3", "eval.k=2", "train.lr=0.5"
+    )
     assert changed.returncode == 1 and "train.lr: the run was started with 0.001, now 0.5" in changed.stderr
 
 
@@ -78,7 +97,9 @@ def assert_tracked(tmp_path: Path, run: str) -> None:
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
-    [found] = client.search_runs([client.get_experiment_by_name("math-tiny").experiment_id], f"tags.`drmas.run_id` = '{run}'")
+    [found] = client.search_runs(
+        [client.get_experiment_by_name("math-tiny").experiment_id], f"tags.`drmas.run_id` = '{run}'"
+    )
     assert found.data.params["algorithm.advantage"] == "drmas"
     assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == [1, 2, 3]
     assert [m.step for m in client.get_metric_history(found.info.run_id, "eval/avg_at_2")] == [0, 2, 3]
@@ -94,7 +115,9 @@ def assert_tracked(tmp_path: Path, run: str) -> None:
     figures = {"reward.png", "grad_norms.png", "advantages.png", "lemma.png"}
     assert figures <= {p.name for p in report.iterdir()} and (report / "_MANIFEST.json").exists()
     assert all((report / name).read_bytes().startswith(b"\x89PNG") for name in figures)
-    assert figures | {"report.md"} <= {a.path.split("/")[-1] for a in client.list_artifacts(found.info.run_id, "report")}
+    assert figures | {"report.md"} <= {
+        a.path.split("/")[-1] for a in client.list_artifacts(found.info.run_id, "report")
+    }
     for wg in ("solver", "verifier"):
         [version] = [v for v in client.search_model_versions(f"name='math-tiny-{wg}'") if v.run_id == found.info.run_id]
         assert version.source.endswith(f"math-tiny/{run}/iter-000002/policy/{wg}")
@@ -102,10 +125,28 @@ def assert_tracked(tmp_path: Path, run: str) -> None:
 
 def test_search_team_end_to_end(tmp_path):
     """The search task through `drmas run`: every stage's artifact is in the store."""
-    done = drmas_run(tmp_path, "--run-id", "s", "experiment.iterations=2", "warmstart.steps=0", "task.max_turns=2", "eval.every=1", "eval.max_questions=2", "eval.k=2", config="search_tiny.yaml")
+    done = drmas_run(
+        tmp_path,
+        "--run-id",
+        "s",
+        "experiment.iterations=2",
+        "warmstart.steps=0",
+        "task.max_turns=2",
+        "eval.every=1",
+        "eval.max_questions=2",
+        "eval.k=2",
+        config="search_tiny.yaml",
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     run = tmp_path / "runs" / "search-tiny" / "s"
-    for stage in ("rollout", "advantage", "policy/verifier-search-answer", "optim/verifier-search-answer", "evaluate", "checkpoint"):
+    for stage in (
+        "rollout",
+        "advantage",
+        "policy/verifier-search-answer",
+        "optim/verifier-search-answer",
+        "evaluate",
+        "checkpoint",
+    ):
         for iteration in (0, 1):
             assert (run / f"iter-{iteration:06d}" / stage / "_MANIFEST.json").exists(), stage
     assert (run / "init" / "evaluate" / "_MANIFEST.json").exists()
@@ -118,12 +159,28 @@ def assert_rerun_recomputes_only_the_stage(tmp_path: Path) -> None:
     iteration = tmp_path / "runs" / "math-tiny" / "full" / "iter-000001"
     manifests = {path: path.read_bytes() for path in iteration.glob("*/**/_MANIFEST.json")}
     batch = (iteration / "advantage" / "batch.parquet").read_bytes()
-    command = [str(Path(sys.executable).parent / "drmas"), "rerun", str(ROOT / "configs" / "math_tiny.yaml"), *SMALL,
-               f"store.root={tmp_path / 'runs'}", "eval.every=2", "eval.max_questions=3", "eval.k=2",
-               "--run-id", "full", "--iteration", "1", "--stage", "advantage"]
+    command = [
+        str(Path(sys.executable).parent / "drmas"),
+        "rerun",
+        str(ROOT / "configs" / "math_tiny.yaml"),
+        *SMALL,
+        f"store.root={tmp_path / 'runs'}",
+        "eval.every=2",
+        "eval.max_questions=3",
+        "eval.k=2",
+        "--run-id",
+        "full",
+        "--iteration",
+        "1",
+        "--stage",
+        "advantage",
+    ]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "recomputed: advantage;" in done.stdout and "cache hits: rollout, policy/solver, policy/verifier, evaluate, checkpoint" in done.stdout
+    assert (
+        "recomputed: advantage;" in done.stdout
+        and "cache hits: rollout, policy/solver, policy/verifier, evaluate, checkpoint" in done.stdout
+    )
     assert (iteration / "advantage" / "batch.parquet").read_bytes() == batch
     changed = [p for p, data in manifests.items() if p.read_bytes() != data]
     assert changed == [iteration / "advantage" / "_MANIFEST.json"] or changed == []

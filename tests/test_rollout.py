@@ -13,12 +13,12 @@ import pyarrow.compute as pc
 import pytest
 
 from drmas.config import load_config
-from drmas.models import load_tokenizer
-from drmas.stages.policies import init_policies
 from drmas.generation.pool import ACTOR_RESTARTS, RayPool, WorkerGroupDied
-from drmas.stages.rollout import rollout
 from drmas.infra.schema import TRAJECTORY_SCHEMA
 from drmas.infra.store import Store
+from drmas.models import load_tokenizer
+from drmas.stages.policies import init_policies
+from drmas.stages.rollout import rollout
 
 pytestmark = pytest.mark.slow
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -54,7 +54,10 @@ def test_math_rollout_separate_models_is_deterministic(ray_session, tmp_path):
     # 3 prompts x 2 episodes, grouped by uid; at most solver, verifier, solver batched calls.
     assert len(set(table["uid"].to_pylist())) == 3 and len(set(table["traj_uid"].to_pylist())) == 6
     assert metrics["rollout/generate_calls"] <= 3
-    assert all(len(ids) == len(lp) for ids, lp in zip(table["response_ids"].to_pylist(), table["rollout_logprobs"].to_pylist()))
+    assert all(
+        len(ids) == len(lp)
+        for ids, lp in zip(table["response_ids"].to_pylist(), table["rollout_logprobs"].to_pylist(), strict=True)
+    )
     assert pc.max(pc.list_value_length(table["response_ids"])).as_py() <= 12
     # max_resident 1: only one worker group holds its weights after the rollout.
     assert sum(s["resident"] for s in status.values()) == 1 and loads == 2
@@ -67,7 +70,9 @@ def test_the_pool_truncates_prompts_as_configured(ray_session, tmp_path):
     chat-template opening (the same first tokens on every row), a left cut drops it."""
     openings = {}
     for truncation in ("middle", "left"):
-        config = load_config(CONFIGS / "math_tiny.yaml", [*SMALL, "rollout.max_prompt_tokens=16", f"rollout.truncation={truncation}"])
+        config = load_config(
+            CONFIGS / "math_tiny.yaml", [*SMALL, "rollout.max_prompt_tokens=16", f"rollout.truncation={truncation}"]
+        )
         _, _, [table], _, _ = run_rollouts(config, tmp_path / truncation)
         prompts = table["prompt_ids"].to_pylist()
         assert all(len(ids) == 16 for ids in prompts)
@@ -184,8 +189,13 @@ def test_a_stage_process_joins_the_ray_that_ray_address_names(ray_session):
 
     address = ray.get_runtime_context().gcs_address
     pool = ray.cluster_resources()["pool_slot"]
-    done = subprocess.run([sys.executable, "-c", JOIN_AND_LEAVE], env={**os.environ, "RAY_ADDRESS": address}, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", JOIN_AND_LEAVE],
+        env={**os.environ, "RAY_ADDRESS": address},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == [address, str(pool)]
     assert ray.cluster_resources()["pool_slot"] == pool  # still up for the next task
-

@@ -50,7 +50,7 @@ def _names(passages: list[Passage]) -> dict[str, str]:
         for pattern, kinds in patterns.items():
             match = re.fullmatch(pattern, passage.text)
             if match:
-                for name, kind in zip(match.groups(), kinds):
+                for name, kind in zip(match.groups(), kinds, strict=True):
                     if kind != "year":
                         assert names.setdefault(name, kind) == kind, f"{name} is two kinds of thing"
                 break
@@ -110,9 +110,7 @@ def test_train_and_eval_share_no_entity(world):
 
     def entities(questions: list[Question]) -> set[str]:
         return {
-            name
-            for question in questions
-            for name in _grams(" ".join((question.question, *question.answers))) & names
+            name for question in questions for name in _grams(" ".join((question.question, *question.answers))) & names
         }
 
     assert {q.qid for q in train}.isdisjoint(q.qid for q in evaluation)
@@ -124,9 +122,7 @@ def test_single_hop_answers_are_retrievable(world):
     passages, train, evaluation = world
     single = [q for q in train + evaluation if q.data_source == "facts-1hop"]
     results = Retriever.build(passages).search([q.question for q in single], k=3)
-    found = [
-        any(q.answers[0] in _grams(p.text) for p in top) for q, top in zip(single, results)
-    ]
+    found = [any(q.answers[0] in _grams(p.text) for p in top) for q, top in zip(single, results, strict=True)]
     rate = sum(found) / len(found)
     assert rate >= 0.8, f"only {rate:.1%} of {len(single)} single-hop answers in the top 3"
 
@@ -155,14 +151,14 @@ def test_two_hop_questions_need_two_facts(world):
         assert bridges, f"no bridge entity links the two facts of {question.question!r}"
     # and searching the question alone rarely finds the answer's fact
     results = Retriever.build(passages).search([q.question for q in double], k=3)
-    hits = sum(any(q.answers[0] in _grams(p.text) for p in top) for q, top in zip(double, results))
+    hits = sum(any(q.answers[0] in _grams(p.text) for p in top) for q, top in zip(double, results, strict=True))
     assert hits / len(double) < 0.1
 
 
 def _grams(text: str) -> set[str]:
     """The words and word pairs of a text: every name (one or two words) it mentions."""
     words = re.findall(r"\w+", text)
-    return set(words) | {f"{a} {b}" for a, b in zip(words, words[1:])}
+    return set(words) | {f"{a} {b}" for a, b in zip(words, words[1:], strict=False)}
 
 
 # --------------------------------------------------------------------------------------
@@ -245,8 +241,7 @@ def test_load_corpus_skips_blank_lines_and_keeps_line_numbers(tmp_path):
         (b'["text"]\n', "line 1: expected a JSON object, got list"),
         (
             b'{"id": 1, "body": "a"}\n',
-            "line 1: no passage text (expected a non-empty 'contents' or 'text' string; "
-            "keys: body, id)",
+            "line 1: no passage text (expected a non-empty 'contents' or 'text' string; keys: body, id)",
         ),
         (b'{"text": "   "}\n', "line 1: no passage text"),
         (b'{"text": "a"}\n{"text": "caf\xe9"}\n', "not UTF-8 text (bad byte at offset 27) on line 2"),

@@ -48,19 +48,19 @@ from conftest import S3_BUCKET
 from helpers import TINY_OVERRIDES, stored_rollout
 from test_bad_input import record_policy
 
-from drmas.stages.advantage import advantage
-from drmas.team.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent
 from drmas.config import ModelSpec, StoreConfig
-from drmas.team.episodes import Episode
+from drmas.generation.workers import PolicyRef, WorkerGroupRuntime
 from drmas.infra.layout import policy_path
-from drmas.models import PolicyError, build_scratch_policy, chat_turn, load_model, load_tokenizer, train_tokenizer
-from drmas.stages.policies import AGENT_TAGS, init_policies
 from drmas.infra.store import CorruptArtifact, Store
+from drmas.models import PolicyError, build_scratch_policy, chat_turn, load_model, load_tokenizer, train_tokenizer
+from drmas.stages.advantage import advantage
+from drmas.stages.policies import AGENT_TAGS, init_policies
+from drmas.stages.update import update
 from drmas.tasks import Question
 from drmas.tasks.math import math_reward
 from drmas.tasks.search import INDEX_DIR, PASSAGES_FILE, Passage, Retriever, cached_retriever, exact_match
-from drmas.stages.update import update
-from drmas.generation.workers import PolicyRef, WorkerGroupRuntime
+from drmas.team.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent
+from drmas.team.episodes import Episode
 
 ROOT = Path(__file__).resolve().parents[1]
 MATH = str(ROOT / "configs" / "math_tiny.yaml")
@@ -127,7 +127,9 @@ def pickled_policy(policy_folder: Path, folder: Path, marker: Path, weights: str
 def test_the_weight_gate_refuses_pickled_weights_unrun(weights, policy_folder, tmp_path):
     marker = tmp_path / "pwned"
     folder = pickled_policy(policy_folder, tmp_path / "policy", marker, weights)
-    with pytest.raises(PolicyError, match=re.escape(f"{folder}: has pickled weights ({weights}) and no model.safetensors")):
+    with pytest.raises(
+        PolicyError, match=re.escape(f"{folder}: has pickled weights ({weights}) and no model.safetensors")
+    ):
         load_model(folder)
     assert not marker.exists()
 
@@ -148,7 +150,10 @@ def test_code_shipped_in_a_policy_folder_is_never_run(policy_folder, tmp_path):
     marker = tmp_path / "pwned"
     folder = shutil.copytree(policy_folder, tmp_path / "policy")
     config = json.loads((folder / "config.json").read_text())
-    config |= {"model_type": "drmas-evil", "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}}
+    config |= {
+        "model_type": "drmas-evil",
+        "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"},
+    }
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "evil.py").write_text(f"open({str(marker)!r}, 'w')\nEvilConfig = EvilModel = None\n")
     with pytest.raises(PolicyError, match=re.escape(f"{folder}: not a loadable policy")):
@@ -184,8 +189,13 @@ def test_the_update_stage_refuses_planted_pickles(planted, tmp_path):
     optim = None
     if planted == "optimizer state":
         payload = pickle.dumps(Payload(marker))
-        optim = planted_artifact(store, "planted/optim", {"optimizer.safetensors": payload, "state.json": b"{}", "optimizer.pt": payload})
-        expected = CorruptArtifact, rf"^{re.escape(store.uri('planted/optim'))}: cannot resume the optimizer from it: optimizer.safetensors is not a safetensors file"
+        optim = planted_artifact(
+            store, "planted/optim", {"optimizer.safetensors": payload, "state.json": b"{}", "optimizer.pt": payload}
+        )
+        expected = (
+            CorruptArtifact,
+            rf"^{re.escape(store.uri('planted/optim'))}: cannot resume the optimizer from it: optimizer.safetensors is not a safetensors file",
+        )
     else:
         folder = store.open(policy.artifact).download(tmp_path / "policy")
         (folder / "model.safetensors").unlink()
@@ -200,7 +210,10 @@ def test_the_update_stage_refuses_planted_pickles(planted, tmp_path):
 
 
 def test_a_pickled_bm25_cache_is_refused_and_rebuilt(tmp_path, caplog):
-    passages = [Passage(str(i), text) for i, text in enumerate(["The Vell flows through Quellin.", "Quellin was founded by Mara Voss."])]
+    passages = [
+        Passage(str(i), text)
+        for i, text in enumerate(["The Vell flows through Quellin.", "Quellin was founded by Mara Voss."])
+    ]
     store = Store(str(tmp_path / "store"))
     folder = tmp_path / "index"
     Retriever.build(passages).index.save(str(folder), show_progress=False, allow_pickle=False)
@@ -211,7 +224,9 @@ def test_a_pickled_bm25_cache_is_refused_and_rebuilt(tmp_path, caplog):
         plant_object_array(array, marker)
     path = f"_cache/bm25/{Retriever.corpus_hash(passages)}"
     with store.writer(path) as out:
-        out.write_bytes(PASSAGES_FILE, "".join(json.dumps({"id": p.pid, "text": p.text}) + "\n" for p in passages).encode())
+        out.write_bytes(
+            PASSAGES_FILE, "".join(json.dumps({"id": p.pid, "text": p.text}) + "\n" for p in passages).encode()
+        )
         out.put_dir(folder, INDEX_DIR)
     with caplog.at_level(logging.WARNING):
         retriever = cached_retriever(passages, store)
@@ -222,9 +237,27 @@ def test_a_pickled_bm25_cache_is_refused_and_rebuilt(tmp_path, caplog):
 
 SOURCE_TREES = ("src/drmas", "src/drmas_kfp")
 UNSAFE_CALLS = {
-    "eval", "exec", "__import__", "pickle.load", "pickle.loads", "pickle.Unpickler", "cloudpickle.load",
-    "cloudpickle.loads", "dill.load", "dill.loads", "joblib.load", "marshal.loads", "shelve.open", "torch.load",
-    "yaml.load", "yaml.unsafe_load", "yaml.full_load", "sympify", "sympy.sympify", "parse_expr", "numexpr.evaluate",
+    "eval",
+    "exec",
+    "__import__",
+    "pickle.load",
+    "pickle.loads",
+    "pickle.Unpickler",
+    "cloudpickle.load",
+    "cloudpickle.loads",
+    "dill.load",
+    "dill.loads",
+    "joblib.load",
+    "marshal.loads",
+    "shelve.open",
+    "torch.load",
+    "yaml.load",
+    "yaml.unsafe_load",
+    "yaml.full_load",
+    "sympify",
+    "sympy.sympify",
+    "parse_expr",
+    "numexpr.evaluate",
 }
 """Calls that run or unpickle what they are given."""
 UNSAFE_KEYWORDS = {"trust_remote_code": True, "weights_only": False, "allow_pickle": True}
@@ -238,7 +271,10 @@ def _imported_names(tree: ast.AST) -> dict[str, str]:
     names = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names |= {alias.asname or alias.name.split(".")[0]: alias.name if alias.asname else alias.name.split(".")[0] for alias in node.names}
+            names |= {
+                alias.asname or alias.name.split(".")[0]: alias.name if alias.asname else alias.name.split(".")[0]
+                for alias in node.names
+            }
         elif isinstance(node, ast.ImportFrom):
             names |= {alias.asname or alias.name: f"{node.module}.{alias.name}" for alias in node.names}
     return names
@@ -271,7 +307,11 @@ def unsafe_constructs(source: str, where: str) -> list[str]:
         if name.endswith("from_pretrained") and where != WEIGHT_GATE:
             found.append(f"{at}: loads weights outside the gate ({name})")
         for keyword in node.keywords:
-            if keyword.arg in UNSAFE_KEYWORDS and isinstance(keyword.value, ast.Constant) and keyword.value.value is UNSAFE_KEYWORDS[keyword.arg]:
+            if (
+                keyword.arg in UNSAFE_KEYWORDS
+                and isinstance(keyword.value, ast.Constant)
+                and keyword.value.value is UNSAFE_KEYWORDS[keyword.arg]
+            ):
                 found.append(f"{at}: {keyword.arg}={keyword.value.value}")
     return found
 
@@ -334,7 +374,9 @@ def test_model_output_is_never_evaluated(payload, runtime, tmp_path):
     text = payload.replace("MARKER", str(marker))
     started = time.perf_counter()
     roles = (SolverAgent(), MathVerifierAgent(), RouterAgent(), SearchAgent(), AnswerAgent())
-    wrapped = f"<think>{text}</think><verify>{text}</verify><search>{text}</search><answer>{text}</answer>\\boxed{{{text}}}"
+    wrapped = (
+        f"<think>{text}</think><verify>{text}</verify><search>{text}</search><answer>{text}</answer>\\boxed{{{text}}}"
+    )
     assert all(agent.parse(wrapped).text is not None for agent in roles)  # read as text, nothing more
     assert math_reward(wrapped, Question("q", "?", ("49",), "t")) == 0.0
     assert exact_match(text, ["49"]) == 0.0
@@ -378,7 +420,17 @@ def secret_run(s3_server, tmp_path_factory) -> SecretRun:
     root = f"s3://{S3_BUCKET}/{uuid.uuid4().hex}"
     env = {key: value for key, value in os.environ.items() if key != "AWS_SESSION_TOKEN"}
     env |= planted | {"HF_HUB_OFFLINE": "1", "RAY_TMPDIR": str(ray_dir)}
-    command = [DRMAS, "run", MATH, *BASE, "experiment.iterations=1", f"store.root={root}", f"store.endpoint={s3_server.endpoint}", "--run-id", RUN]
+    command = [
+        DRMAS,
+        "run",
+        MATH,
+        *BASE,
+        "experiment.iterations=1",
+        f"store.root={root}",
+        f"store.endpoint={s3_server.endpoint}",
+        "--run-id",
+        RUN,
+    ]
     done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     yield SecretRun(root, s3_server.endpoint, folder, ray_dir, done.stdout + done.stderr, planted)
@@ -396,8 +448,11 @@ def readable(name: str, data: bytes) -> bytes:
 
 def store_objects(run: SecretRun) -> dict[str, bytes]:
     fs = pafs.S3FileSystem(
-        endpoint_override=run.endpoint.removeprefix("http://"), scheme="http", region="us-east-1",
-        access_key=run.secrets["AWS_ACCESS_KEY_ID"], secret_key=run.secrets["AWS_SECRET_ACCESS_KEY"],
+        endpoint_override=run.endpoint.removeprefix("http://"),
+        scheme="http",
+        region="us-east-1",
+        access_key=run.secrets["AWS_ACCESS_KEY_ID"],
+        secret_key=run.secrets["AWS_SECRET_ACCESS_KEY"],
     )
     infos = fs.get_file_info(pafs.FileSelector(run.root.removeprefix("s3://"), recursive=True))
     objects = {}
@@ -409,7 +464,11 @@ def store_objects(run: SecretRun) -> dict[str, bytes]:
 
 
 def local_files(folder: Path, label: str) -> dict[str, bytes]:
-    return {f"{label}:{path}": readable(path.name, path.read_bytes()) for path in folder.rglob("*") if path.is_file() and not path.is_symlink()}
+    return {
+        f"{label}:{path}": readable(path.name, path.read_bytes())
+        for path in folder.rglob("*")
+        if path.is_file() and not path.is_symlink()
+    }
 
 
 def mlflow_view(folder: Path) -> dict[str, bytes]:
@@ -419,7 +478,10 @@ def mlflow_view(folder: Path) -> dict[str, bytes]:
     client = MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
     experiments = [e.experiment_id for e in client.search_experiments()]
     runs = client.search_runs(experiments)
-    view = [{"params": r.data.params, "tags": r.data.tags, "metrics": sorted(r.data.metrics), "name": r.info.run_name} for r in runs]
+    view = [
+        {"params": r.data.params, "tags": r.data.tags, "metrics": sorted(r.data.metrics), "name": r.info.run_name}
+        for r in runs
+    ]
     return {"mlflow:params+tags": json.dumps(view).encode()}
 
 
@@ -467,9 +529,20 @@ def test_a_pickled_policy_in_the_store_is_refused_by_the_commands(command, secre
         out.put_dir(folder, "")
     record_policy(store, RUN, "solver")
     before = store.list(f"{EXPERIMENT}/{RUN}")
-    args = ["run", MATH, "--resume", RUN, "experiment.iterations=2"] if command == "resume" else ["eval", MATH, "--run-id", RUN, "experiment.iterations=1"]
+    args = (
+        ["run", MATH, "--resume", RUN, "experiment.iterations=2"]
+        if command == "resume"
+        else ["eval", MATH, "--run-id", RUN, "experiment.iterations=1"]
+    )
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([DRMAS, *args, *BASE, f"store.root={secret_run.root}", f"store.endpoint={secret_run.endpoint}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [DRMAS, *args, *BASE, f"store.root={secret_run.root}", f"store.endpoint={secret_run.endpoint}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"{store.uri(path)}: has pickled weights (pytorch_model.bin) and no model.safetensors" in done.stderr
     assert "Traceback" not in done.stderr
@@ -524,7 +597,9 @@ def test_the_local_ray_listens_on_loopback_only():
     ray_dir = tempfile.mkdtemp(prefix="drmas-ray-")  # short: Ray's socket paths
     env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_ENABLE")}
     try:
-        done = subprocess.run([sys.executable, "-c", RAY_PROBE, ray_dir], env=env, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", RAY_PROBE, ray_dir], env=env, capture_output=True, text=True, timeout=120
+        )
     finally:
         shutil.rmtree(ray_dir, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-2000:]

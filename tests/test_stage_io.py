@@ -13,6 +13,7 @@ import pytest
 from helpers import stored_rollout
 
 from drmas.config import load_config
+from drmas.infra.store import Store
 from drmas.stages.io import (
     METRICS_FILE,
     expect_input,
@@ -22,7 +23,6 @@ from drmas.stages.io import (
     publish_metrics,
     reuse_or_compute,
 )
-from drmas.infra.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,9 @@ def store(tmp_path: Path) -> Store:
     return Store(str(tmp_path / "store"))
 
 
-def write(store: Store, path: str, files: dict[str, bytes], metrics: dict | None = None, key: str | None = None) -> None:
+def write(
+    store: Store, path: str, files: dict[str, bytes], metrics: dict | None = None, key: str | None = None
+) -> None:
     with store.writer(path, overwrite=True, meta={"cache_key": key} if key else None) as out:
         for name, data in files.items():
             out.write_bytes(name, data)
@@ -100,11 +102,18 @@ def test_publish_takes_a_given_fingerprint_for_an_output_that_is_not_one_artifac
 
 
 def test_policy_set_names_each_group_policy_and_optimizer_state(store):
-    extra = policy_set(store, "exp/r/iter-000001", {"solver": ("exp/r/iter-000001/policy/solver", ""), "verifier": ("init/verifier", "model/")},
-                       {"solver": "exp/r/iter-000001/optim/solver", "verifier": None})
+    extra = policy_set(
+        store,
+        "exp/r/iter-000001",
+        {"solver": ("exp/r/iter-000001/policy/solver", ""), "verifier": ("init/verifier", "model/")},
+        {"solver": "exp/r/iter-000001/optim/solver", "verifier": None},
+    )
     assert extra == {
         "home": "exp/r/iter-000001",
-        "policies": {"solver": {"artifact": "exp/r/iter-000001/policy/solver", "prefix": ""}, "verifier": {"artifact": "init/verifier", "prefix": "model/"}},
+        "policies": {
+            "solver": {"artifact": "exp/r/iter-000001/policy/solver", "prefix": ""},
+            "verifier": {"artifact": "init/verifier", "prefix": "model/"},
+        },
         "optims": {"solver": {"artifact": "exp/r/iter-000001/optim/solver", "prefix": ""}, "verifier": None},
         "policy_uris": {"solver": store.uri("exp/r/iter-000001/policy/solver"), "verifier": store.uri("init/verifier")},
     }
@@ -117,10 +126,16 @@ def test_policy_set_names_each_group_policy_and_optimizer_state(store):
 
 def test_publish_metrics_logs_finite_values_and_writes_every_value(tmp_path):
     metrics = FakeMetrics(tmp_path / "metrics")
-    publish_metrics({"reward/mean": 0.5, "batch/rows": 12, "adv/std": math.nan, "ratio/max": math.inf, "kl": -math.inf}, metrics)
+    publish_metrics(
+        {"reward/mean": 0.5, "batch/rows": 12, "adv/std": math.nan, "ratio/max": math.inf, "kl": -math.inf}, metrics
+    )
     assert metrics.logged == {"reward/mean": 0.5, "batch/rows": 12.0}
     assert json.loads(Path(metrics.path).read_text()) == {
-        "reward/mean": 0.5, "batch/rows": 12, "adv/std": "nan", "ratio/max": "inf", "kl": "-inf",
+        "reward/mean": 0.5,
+        "batch/rows": 12,
+        "adv/std": "nan",
+        "ratio/max": "inf",
+        "kl": "-inf",
     }
 
 
@@ -156,7 +171,9 @@ def test_reuse_or_compute_follows_the_cache_key(store, capsys):
 
 def test_reuse_or_compute_says_what_it_did(store, capsys):
     write(store, "out", {"f": b"1"}, key="k")
-    reuse_or_compute(store, "out", "k", False, lambda: pytest.fail("recomputed a cached output"), label="advantage iter 3")
+    reuse_or_compute(
+        store, "out", "k", False, lambda: pytest.fail("recomputed a cached output"), label="advantage iter 3"
+    )
     reuse_or_compute(store, "out", "k", True, lambda: None, label="policy/solver iter 3")
     assert capsys.readouterr().out.splitlines() == [
         f"drmas: advantage iter 3 reused {store.uri('out')}",
@@ -166,9 +183,17 @@ def test_reuse_or_compute_says_what_it_did(store, capsys):
 
 def test_expect_input_refuses_a_pointer_to_another_output(store, tmp_path):
     expected = "exp/r/iter-000003/rollout"
-    expect_input(FakeArtifact(tmp_path / "in", metadata={"artifact": expected}), expected, store, "the advantage of iteration 3")
-    other = FakeArtifact(tmp_path / "in", metadata={"artifact": "exp/r/iter-000002/rollout", "store_uri": "s3://b/exp/r/iter-000002/rollout"})
-    with pytest.raises(ValueError, match=r"^the advantage of iteration 3 reads .*/iter-000003/rollout, but was given s3://b/exp/r/iter-000002/rollout$"):
+    expect_input(
+        FakeArtifact(tmp_path / "in", metadata={"artifact": expected}), expected, store, "the advantage of iteration 3"
+    )
+    other = FakeArtifact(
+        tmp_path / "in",
+        metadata={"artifact": "exp/r/iter-000002/rollout", "store_uri": "s3://b/exp/r/iter-000002/rollout"},
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^the advantage of iteration 3 reads .*/iter-000003/rollout, but was given s3://b/exp/r/iter-000002/rollout$",
+    ):
         expect_input(other, expected, store, "the advantage of iteration 3")
     bare = FakeArtifact(tmp_path / "in", uri="gs://root/imported")  # no pointer metadata at all
     with pytest.raises(ValueError, match="but was given gs://root/imported$"):
@@ -190,9 +215,9 @@ def test_the_advantage_component_body_on_fake_artifacts(tmp_path, monkeypatch, c
     """The shipped function itself (what KFP's executor calls), without KFP: it reads the
     rollout its input points at, writes the batch under drmas' cache key, publishes the
     pointer and the metrics, reuses the output on a second call and recomputes it forced."""
-    from drmas_kfp import components
-    from drmas.stages.contracts import AdvantageContract, cache_key
     from drmas.infra.layout import stage_path
+    from drmas.stages.contracts import AdvantageContract, cache_key
+    from drmas_kfp import components
 
     monkeypatch.chdir(tmp_path)
     config, store, source = stored_rollout(tmp_path, rows=12)
@@ -201,14 +226,25 @@ def test_the_advantage_component_body_on_fake_artifacts(tmp_path, monkeypatch, c
     def call(force: bool = False, artifact: str = source) -> tuple[FakeArtifact, FakeMetrics]:
         trajectories = FakeArtifact(tmp_path / "in", metadata={"artifact": artifact, "store_uri": store.uri(artifact)})
         batch, metrics = FakeArtifact(tmp_path / "batch"), FakeMetrics(tmp_path / "metrics")
-        body(config_json=config.to_json(), run_id="r", iteration=0, trajectories=trajectories, batch=batch, metrics=metrics, force=force)
+        body(
+            config_json=config.to_json(),
+            run_id="r",
+            iteration=0,
+            trajectories=trajectories,
+            batch=batch,
+            metrics=metrics,
+            force=force,
+        )
         return batch, metrics
 
     batch, metrics = call()
     path = stage_path(config.experiment.name, "r", 0, "advantage")
     assert store.open(path).meta["cache_key"] == cache_key(config, store, AdvantageContract("r", 0))
     assert batch.metadata["artifact"] == path and batch.metadata["store_uri"] == store.uri(path)
-    assert batch.metadata["fingerprint"] == store.fingerprint(path, ignore=(METRICS_FILE,)) and batch.metadata["iteration"] == 0
+    assert (
+        batch.metadata["fingerprint"] == store.fingerprint(path, ignore=(METRICS_FILE,))
+        and batch.metadata["iteration"] == 0
+    )
     assert json.loads(Path(batch.path).read_text()) == batch.metadata
     assert metrics.logged["batch/rows"] == 12.0
     assert json.loads(Path(metrics.path).read_text())["batch/rows"] == 12.0
@@ -216,8 +252,12 @@ def test_the_advantage_component_body_on_fake_artifacts(tmp_path, monkeypatch, c
     again, _ = call()
     assert again.metadata == batch.metadata
     call(force=True)
-    assert [line.split()[4] for line in capsys.readouterr().out.splitlines() if line.startswith("drmas: advantage")] == [
-        "computed", "reused", "computed",
+    assert [
+        line.split()[4] for line in capsys.readouterr().out.splitlines() if line.startswith("drmas: advantage")
+    ] == [
+        "computed",
+        "reused",
+        "computed",
     ]
     with pytest.raises(ValueError, match="the advantage of iteration 0 reads .* but was given"):
         call(artifact=stage_path(config.experiment.name, "r", 1, "rollout"))

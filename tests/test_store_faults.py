@@ -24,8 +24,8 @@ import pytest
 from conftest import S3_BUCKET
 from faultproxy import FAULTS, FaultProxy
 from helpers import TINY_OVERRIDES, trajectory_table
-
 from locals3 import LocalS3Server
+
 from drmas.infra.schema import TRAJECTORY_SCHEMA
 from drmas.infra.store import MANIFEST, Store, StoreError
 
@@ -97,7 +97,9 @@ def assert_exactly(store: Store, written: dict[str, dict[str, bytes]]) -> None:
     assert objects == expected_objects
 
 
-@pytest.mark.parametrize("fault", [pytest.param(f, marks=pytest.mark.slow) if f.startswith("stall") else f for f in FAULTS])
+@pytest.mark.parametrize(
+    "fault", [pytest.param(f, marks=pytest.mark.slow) if f.startswith("stall") else f for f in FAULTS]
+)
 def test_every_fault_is_retried_and_nothing_is_lost(proxy: FaultProxy, fault: str, capsys):
     """One fault type on a fifth of the requests (stalls, which cost a timeout each, on a
     tenth): two artifacts written, one overwritten, all read back through the faults."""
@@ -130,7 +132,9 @@ def test_mixed_faults_on_a_third_of_requests(proxy: FaultProxy, capsys):
     assert_exactly(store, written)
     with capsys.disabled():
         faulted = sum(proxy.injected.values())
-        print(f"\nmixed: {faulted} of {proxy.requests} requests faulted ({dict(proxy.injected)}), all held, {time.monotonic() - started:.1f} s")
+        print(
+            f"\nmixed: {faulted} of {proxy.requests} requests faulted ({dict(proxy.injected)}), all held, {time.monotonic() - started:.1f} s"
+        )
     assert all(proxy.injected[fault] > 0 for fault in FAULTS)
 
 
@@ -143,7 +147,9 @@ DOWN = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("outage", DOWN)
-def test_store_that_stays_down_fails_within_a_bound(proxy: FaultProxy, s3_env: LocalS3Server, outage: str, monkeypatch: pytest.MonkeyPatch):
+def test_store_that_stays_down_fails_within_a_bound(
+    proxy: FaultProxy, s3_env: LocalS3Server, outage: str, monkeypatch: pytest.MonkeyPatch
+):
     """A stage writing or reading while the store is down gets a StoreError naming the
     endpoint, after retrying for the window but within the bound, and leaves no artifact."""
     monkeypatch.setenv("DRMAS_S3_RETRY_S", str(DOWN_RETRY_WINDOW_S))
@@ -179,23 +185,54 @@ def test_store_opened_while_down_fails_within_a_bound(proxy: FaultProxy, monkeyp
     assert time.monotonic() - started < DOWN_BOUND_S
 
 
-E2E_FAULTS = {"error500": 0.02, "error503": 0.02, "drop_request": 0.02, "drop_reply": 0.02, "cut_reply": 0.015, "stall": 0.005}
+E2E_FAULTS = {
+    "error500": 0.02,
+    "error503": 0.02,
+    "drop_request": 0.02,
+    "drop_reply": 0.02,
+    "cut_reply": 0.015,
+    "stall": 0.005,
+}
 """About 10% of requests: dozens of faults in a run of several hundred requests."""
-STAGES = ("rollout", "advantage", "policy/solver", "policy/verifier", "optim/solver", "optim/verifier", "evaluate", "checkpoint")
+STAGES = (
+    "rollout",
+    "advantage",
+    "policy/solver",
+    "policy/verifier",
+    "optim/solver",
+    "optim/verifier",
+    "evaluate",
+    "checkpoint",
+)
 
 
 def drmas_run_on_s3(tmp_path: Path, root: str, endpoint: str, run_id: str) -> subprocess.CompletedProcess[str]:
     """One iteration of the tiny math config through ``drmas run`` (evaluated before and
     after), its store on S3."""
-    command = [str(Path(sys.executable).parent / "drmas"), "run", str(ROOT / "configs" / "math_tiny.yaml"), *TINY_OVERRIDES,
-               "warmstart.steps=0", "experiment.iterations=1", "eval.every=1", "eval.max_questions=2", "eval.k=2",
-               f"store.root={root}", f"store.endpoint={endpoint}", "--run-id", run_id]
+    command = [
+        str(Path(sys.executable).parent / "drmas"),
+        "run",
+        str(ROOT / "configs" / "math_tiny.yaml"),
+        *TINY_OVERRIDES,
+        "warmstart.steps=0",
+        "experiment.iterations=1",
+        "eval.every=1",
+        "eval.max_questions=2",
+        "eval.k=2",
+        f"store.root={root}",
+        f"store.endpoint={endpoint}",
+        "--run-id",
+        run_id,
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "DRMAS_S3_REQUEST_TIMEOUT_S": "2", "DRMAS_S3_RETRY_S": "60"}
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
 def final_policies(store: Store, run_id: str) -> dict[str, bytes]:
-    return {wg: store.open(f"math-tiny/{run_id}/iter-000000/policy/{wg}").read_bytes("model.safetensors") for wg in ("solver", "verifier")}
+    return {
+        wg: store.open(f"math-tiny/{run_id}/iter-000000/policy/{wg}").read_bytes("model.safetensors")
+        for wg in ("solver", "verifier")
+    }
 
 
 @pytest.mark.slow
@@ -214,15 +251,19 @@ def test_drmas_run_through_a_faulty_store(proxy: FaultProxy, s3_env: LocalS3Serv
 
     store = Store(root, s3_env.endpoint)
     artifacts = store.list("math-tiny/faulty")
-    assert {f"math-tiny/faulty/iter-000000/{stage}" for stage in STAGES} | {"math-tiny/faulty/init/evaluate"} <= set(artifacts)
+    assert {f"math-tiny/faulty/iter-000000/{stage}" for stage in STAGES} | {"math-tiny/faulty/init/evaluate"} <= set(
+        artifacts
+    )
     for path in artifacts:
         artifact = store.open(path)
         for name in artifact.files:
             artifact.read_bytes(name)  # refused if its size or sha256 differs from the manifest
     faulted = sum(proxy.injected.values())
     with capsys.disabled():
-        print(f"\ndrmas run through the proxy: {faulted} of {proxy.requests} requests faulted ({dict(proxy.injected)}), "
-              f"{len(artifacts)} artifacts verified, {elapsed:.1f} s")
+        print(
+            f"\ndrmas run through the proxy: {faulted} of {proxy.requests} requests faulted ({dict(proxy.injected)}), "
+            f"{len(artifacts)} artifacts verified, {elapsed:.1f} s"
+        )
     assert faulted > 0
 
     clean = drmas_run_on_s3(tmp_path, root, s3_env.endpoint, "clean")

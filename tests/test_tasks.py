@@ -13,16 +13,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from drmas.config import ConfigError, DataConfig, DrmasConfig, load_config
-from drmas.stages.policies import tokenizer_corpus
-from drmas.stages.rollout import rollout, task_questions
+from drmas.generation.workers import GenerationResult
 from drmas.infra.schema import TRAJECTORY_SCHEMA
 from drmas.infra.store import Store
-from drmas.tasks import DataError, Question, Task
 from drmas.registry import BUILTIN_TASKS, get_task, task_for
+from drmas.stages.policies import tokenizer_corpus
+from drmas.stages.rollout import rollout, task_questions
+from drmas.tasks import DataError, Question, Task
 from drmas.tasks.files import read_questions
 from drmas.tasks.math import MathTask, load_math_questions
 from drmas.tasks.search import SearchTask, load_qa
-from drmas.generation.workers import GenerationResult
 
 ROOT = Path(__file__).parent.parent
 CONFIGS = ROOT / "configs"
@@ -65,7 +65,9 @@ def test_unknown_and_unimportable_tasks_are_named():
 
 
 def test_the_config_refuses_an_unknown_task_by_its_field():
-    with pytest.raises(ConfigError, match=re.escape("override task.name: unknown task 'maths': use one of math, search")):
+    with pytest.raises(
+        ConfigError, match=re.escape("override task.name: unknown task 'maths': use one of math, search")
+    ):
         load_config(CONFIGS / "math_tiny.yaml", ["task.name=maths"])
 
 
@@ -142,7 +144,11 @@ def test_a_json_file_with_one_object_is_one_line_of_json_lines(tmp_path):
 def test_fields_may_be_nested_or_have_dots_and_questions_may_be_chats(tmp_path):
     rows = [
         {"prompt": [{"role": "user", "content": "Q1"}], "reward_model": {"ground_truth": "1"}, "src.name": "s"},
-        {"prompt": [{"role": "system", "content": "x"}, {"role": "user", "content": "Q2"}], "reward_model": {"ground_truth": "2"}, "src.name": 7},
+        {
+            "prompt": [{"role": "system", "content": "x"}, {"role": "user", "content": "Q2"}],
+            "reward_model": {"ground_truth": "2"},
+            "src.name": 7,
+        },
     ]
     data = DataConfig(question_field="prompt", answer_field="reward_model.ground_truth", data_source_field="src.name")
     spec = _write(tmp_path / "dapo.jsonl", _jsonl_bytes(rows))
@@ -169,23 +175,53 @@ BAD_FILES = [
     ("qa.parquet", pa.table({"question": pa.array([], pa.string())}), "no rows"),
     ("qa.parquet", b"not parquet", "not a readable Parquet file ("),
     ("qa.jsonl", b'{"question": "caf\xe9"}\n', "not UTF-8 text (bad byte at offset 17) on line 1"),
-    ("qa.jsonl", b'\xef\xbb\xbf{"question": "a"}\r\n{"question": "caf\xe9"}\n', "not UTF-8 text (bad byte at offset 39) on line 2"),
-    ("qa.json", b'[{"question": "a", "answer": "1"},\n{"question": "caf\xe9"}]', "not UTF-8 text (bad byte at offset 52) on line 2"),
+    (
+        "qa.jsonl",
+        b'\xef\xbb\xbf{"question": "a"}\r\n{"question": "caf\xe9"}\n',
+        "not UTF-8 text (bad byte at offset 39) on line 2",
+    ),
+    (
+        "qa.json",
+        b'[{"question": "a", "answer": "1"},\n{"question": "caf\xe9"}]',
+        "not UTF-8 text (bad byte at offset 52) on line 2",
+    ),
     ("qa.jsonl", _jsonl_bytes(ROWS[:1]) + b'{"question": \n', "line 2: invalid JSON (Expecting value)"),
     ("qa.json", b'[\n{"question": "a",\n', "line 3: invalid JSON (Expecting property name enclosed in double quotes)"),
     ("qa.jsonl", b'["question"]\n', "line 1: expected a JSON object, got list"),
     ("qa.json", b'[{"question": "a", "answer": "1"}, 5]', "row 1: expected a JSON object, got int"),
-    ("qa.jsonl", _jsonl_bytes([{"problem": "p", "answer": "1"}]), "no question column 'question' (set data.question_field); columns: answer, problem"),
-    ("qa.jsonl", _jsonl_bytes([{"question": "q", "answer": None}]), "no answer column 'answer' (set data.answer_field); columns: answer, question"),
-    ("qa.jsonl", _jsonl_bytes([ROWS[0], {"question": "  ", "answer": "2"}]), "row 1 (line 2): empty or missing question ('question')"),
-    ("qa.jsonl", _jsonl_bytes([{"question": 5, "answer": "2"}]), "row 0 (line 1): empty or missing question ('question': int 5, not text)"),
+    (
+        "qa.jsonl",
+        _jsonl_bytes([{"problem": "p", "answer": "1"}]),
+        "no question column 'question' (set data.question_field); columns: answer, problem",
+    ),
+    (
+        "qa.jsonl",
+        _jsonl_bytes([{"question": "q", "answer": None}]),
+        "no answer column 'answer' (set data.answer_field); columns: answer, question",
+    ),
+    (
+        "qa.jsonl",
+        _jsonl_bytes([ROWS[0], {"question": "  ", "answer": "2"}]),
+        "row 1 (line 2): empty or missing question ('question')",
+    ),
+    (
+        "qa.jsonl",
+        _jsonl_bytes([{"question": 5, "answer": "2"}]),
+        "row 0 (line 1): empty or missing question ('question': int 5, not text)",
+    ),
     ("qa.json", [ROWS[0], {"question": "b"}], "row 1: missing or empty answer ('answer')"),
-    ("qa.parquet", pa.table({"question": ["a?", None], "answer": ["x", "y"]}), "row 1: empty or missing question ('question')"),
+    (
+        "qa.parquet",
+        pa.table({"question": ["a?", None], "answer": ["x", "y"]}),
+        "row 1: empty or missing question ('question')",
+    ),
     ("qa.jsonl", _jsonl_bytes([ROWS[0], ROWS[1], ROWS[0]]), "duplicated id 'a' (row 0 (line 1) and row 2 (line 3))"),
 ]
 
 
-@pytest.mark.parametrize(("task", "name", "content", "message"), [(task, *bad) for task in LOADERS for bad in BAD_FILES])
+@pytest.mark.parametrize(
+    ("task", "name", "content", "message"), [(task, *bad) for task in LOADERS for bad in BAD_FILES]
+)
 def test_bad_files_fail_with_one_message_per_problem(tmp_path, task, name, content, message):
     spec = _write(tmp_path / name, content)
     with pytest.raises(DataError) as error:
@@ -199,7 +235,9 @@ def test_missing_and_remote_files(tmp_path, task):
     absent = str(tmp_path / "absent.jsonl")
     with pytest.raises(DataError, match=f"^{re.escape(absent)}: file not found$"):
         LOADERS[task](absent, "train", DataConfig(), 0)
-    with pytest.raises(DataError, match=r"^s3://bucket/qa\.jsonl: only local files are supported; copy the file here first$"):
+    with pytest.raises(
+        DataError, match=r"^s3://bucket/qa\.jsonl: only local files are supported; copy the file here first$"
+    ):
         LOADERS[task]("s3://bucket/qa.jsonl", "train", DataConfig(), 0)
 
 
@@ -258,7 +296,7 @@ def test_a_third_task_runs_through_the_rollout_stage(reverse_config, tmp_path):
     table = store.open(result.artifact).read_table("trajectories.parquet", TRAJECTORY_SCHEMA)
     assert set(table["agent"].to_pylist()) == {"reverser"}
     words = [text.removeprefix("<answer>").removesuffix("</answer>") for text in table["response_text"].to_pylist()]
-    rewards = dict(zip(words, table["reward"].to_pylist()))
+    rewards = dict(zip(words, table["reward"].to_pylist(), strict=True))
     assert rewards == {"elppa": 1.0, "stone": 0.0, "thgil": 1.0, "revlis": 1.0, "tenalp": 1.0}
     assert table.num_rows == 10 and result.metrics["reward/mean"] == 0.8
 
@@ -268,7 +306,12 @@ def test_a_third_task_gives_the_tokenizer_and_the_warm_start_its_texts(reverse_c
     assert "window" in texts  # its corpus
     assert any("Reverse the word apple" in text for text in texts)  # its agent's prompts
     task = task_for(reverse_config)
-    demos = task.demonstrations(reverse_config, task.questions(reverse_config, "eval"), task.tools(reverse_config, None), np.random.default_rng(0))
+    demos = task.demonstrations(
+        reverse_config,
+        task.questions(reverse_config, "eval"),
+        task.tools(reverse_config, None),
+        np.random.default_rng(0),
+    )
     assert [response for _, response in demos["reverser"]][:2] == ["<answer>revir</answer>", "<answer>duolc</answer>"]
 
 

@@ -67,12 +67,26 @@ class MlflowServer:
 
     def start(self, timeout_s: float = 90.0) -> MlflowServer:
         command = [
-            str(MLFLOW), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-            "--backend-store-uri", self.database, "--artifacts-destination", str(self.folder / "artifacts"),
+            str(MLFLOW),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            self.database,
+            "--artifacts-destination",
+            str(self.folder / "artifacts"),
         ]
         with open(self.folder / "server.log", "ab") as log:
             self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"},
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -154,7 +168,9 @@ class _StandInHandler(socketserver.StreamRequestHandler):
             name, _, value = line.decode("latin-1").partition(":")
             length = int(value) if name.strip().lower() == "content-length" else length
         self.rfile.read(length)
-        self.wfile.write(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 3600\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        self.wfile.write(
+            b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 3600\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        )
 
 
 def _config(tracking: str) -> DrmasConfig:
@@ -195,16 +211,24 @@ def test_a_temporary_outage_leaves_no_hole(tmp_path, mlflow_server):
 
     assert (tracker.gaps, tracker.delivered_late) == (0, 6)
     report = tracker.gap_report()
-    assert "unreachable 1 time(s)" in report and "6 held-back call(s) were delivered late" in report and "nothing is missing" in report
+    assert (
+        "unreachable 1 time(s)" in report
+        and "6 held-back call(s) were delivered late" in report
+        and "nothing is missing" in report
+    )
     client = mlflow.MlflowClient(mlflow_server.uri)
     history = sorted(client.get_metric_history(tracker.mlflow_run_id, "reward/mean"), key=lambda metric: metric.step)
     assert [(metric.step, metric.value) for metric in history] == [(step, step / 10) for step in range(1, 9)]
     logged_at = [metric.timestamp for metric in history]
-    assert max(logged_at[:6]) <= restarted_ms < min(logged_at[6:]), "steps 4-6 keep the time they were logged at, not their delivery's"
+    assert max(logged_at[:6]) <= restarted_ms < min(logged_at[6:]), (
+        "steps 4-6 keep the time they were logged at, not their delivery's"
+    )
     run = client.get_run(tracker.mlflow_run_id)
     assert run.info.status == "FINISHED" and run.data.params["algorithm.advantage"] == "drmas"
     assert run.data.tags["lineage.checkpoint"] == "/store/iter-000005/checkpoint"
-    assert [a.path for a in client.list_artifacts(tracker.mlflow_run_id, "lineage")] == [f"lineage/iter-{i:06d}.json" for i in (3, 4, 5)]
+    assert [a.path for a in client.list_artifacts(tracker.mlflow_run_id, "lineage")] == [
+        f"lineage/iter-{i:06d}.json" for i in (3, 4, 5)
+    ]
     assert not set(HTTP_LIMITS) & set(os.environ), "drmas's limits apply to its own calls only"
 
 
@@ -236,11 +260,15 @@ def test_a_server_that_never_comes_back_costs_bounded_time(tmp_path, mlflow_serv
 
     assert tracker.undelivered() == {"episodes": 3, "metrics": 4, "status": 1} and tracker.gaps == 8
     report = tracker.gap_report()
-    assert "still unreachable at the last try" in report and "metrics 4 (steps 2-5)" in report and "as running" in report
+    assert (
+        "still unreachable at the last try" in report and "metrics 4 (steps 2-5)" in report and "as running" in report
+    )
     assert "delivered late" not in report
     lost = [record.getMessage() for record in caplog.records if "6 calls are already waiting" in record.getMessage()]
-    assert lost == ["tracking: metrics (step 5) not logged to MLflow: 6 calls are already waiting for the server",
-                    "tracking: status not logged to MLflow: 6 calls are already waiting for the server"]
+    assert lost == [
+        "tracking: metrics (step 5) not logged to MLflow: 6 calls are already waiting for the server",
+        "tracking: status not logged to MLflow: 6 calls are already waiting for the server",
+    ]
     assert any("is unreachable" in record.getMessage() for record in caplog.records)
     stored = mlflow.MlflowClient(mlflow_server.database)
     assert [metric.step for metric in stored.get_metric_history(tracker.mlflow_run_id, "reward/mean")] == [1]
@@ -269,12 +297,26 @@ def test_drmas_run_survives_the_server_going_away(tmp_path, mlflow_server):
     """``drmas run`` against a server killed once the first iteration is checkpointed:
     exit 0, every checkpoint in the store, the outage and what MLflow lacks on its output."""
     command = [
-        str(Path(sys.executable).parent / "drmas"), "run", str(ROOT / "configs" / "math_tiny.yaml"), *TINY_OVERRIDES,
-        "experiment.iterations=2", "eval.every=0", "warmstart.steps=0", f"store.root={tmp_path / 'runs'}",
-        f"tracking.uri={mlflow_server.uri}", "--run-id", "cut",
+        str(Path(sys.executable).parent / "drmas"),
+        "run",
+        str(ROOT / "configs" / "math_tiny.yaml"),
+        *TINY_OVERRIDES,
+        "experiment.iterations=2",
+        "eval.every=0",
+        "warmstart.steps=0",
+        f"store.root={tmp_path / 'runs'}",
+        f"tracking.uri={mlflow_server.uri}",
+        "--run-id",
+        "cut",
     ]
     run = subprocess.Popen(
-        command, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        command,
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         first = _checkpoint(tmp_path, 0)
@@ -289,7 +331,9 @@ def test_drmas_run_survives_the_server_going_away(tmp_path, mlflow_server):
     assert run.returncode == 0, output
     assert all(_checkpoint(tmp_path, i).exists() for i in range(2))
     assert f"MLflow at {mlflow_server.uri} is unreachable" in output
-    assert re.search(r"calls not in MLflow: .*metrics [12] \(steps (1-)?2\).*\(MLflow still shows the run as running\)", output), output
+    assert re.search(
+        r"calls not in MLflow: .*metrics [12] \(steps (1-)?2\).*\(MLflow still shows the run as running\)", output
+    ), output
 
 
 def _checkpoint(tmp_path: Path, iteration: int) -> Path:

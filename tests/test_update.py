@@ -15,17 +15,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drmas.stages.advantage import advantage
 from drmas.algos import compute_advantages
 from drmas.config import load_config
-from drmas.team.episodes import Call, Episode, episodes_to_table
-from drmas.infra.layout import policy_path, stage_path
-from drmas.models import load_model, load_tokenizer
-from drmas.stages.policies import init_policies
+from drmas.infra.layout import stage_path
 from drmas.infra.schema import BATCH_SCHEMA
 from drmas.infra.store import Store
-from drmas.tasks import Question
+from drmas.models import load_model, load_tokenizer
+from drmas.stages.advantage import advantage
+from drmas.stages.policies import init_policies
 from drmas.stages.update import update
+from drmas.tasks import Question
+from drmas.team.episodes import Call, Episode, episodes_to_table
 from drmas.training.batching import collate, token_logprobs
 from drmas.training.engines import TorchEngine, deepspeed_config
 from drmas.training.state import capture_state, load_state, restore_state, save_state
@@ -55,7 +55,14 @@ def make_run(tmp_path: Path, *overrides: str):
     episodes = []
     for q, (question, good) in enumerate([("What is 2 + 2?", "\\boxed{4}"), ("What is 3 + 5?", "\\boxed{8}")]):
         for sample, (solution, reward) in enumerate([(good, 1.0), ("\\boxed{0}", 0.0)]):
-            episode = Episode(f"u{q}", f"u{q}-s{sample}", sample, Question(f"q{q}", question, ("x",), "test"), reward=reward, success=reward > 0)
+            episode = Episode(
+                f"u{q}",
+                f"u{q}-s{sample}",
+                sample,
+                Question(f"q{q}", question, ("x",), "test"),
+                reward=reward,
+                success=reward > 0,
+            )
             for agent, text in (("solver", solution), ("verifier", "<verify>approve</verify>")):
                 prompt = tokenizer(f"{question} {agent}", add_special_tokens=False)["input_ids"]
                 response = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -68,9 +75,17 @@ def make_run(tmp_path: Path, *overrides: str):
     batch = collate(rows, tokenizer.pad_token_id)
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-        logprobs = torch.log_softmax(logits / config.rollout.sampling.temperature, dim=-1).gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        logprobs = (
+            torch.log_softmax(logits / config.rollout.sampling.temperature, dim=-1)
+            .gather(-1, batch.input_ids[:, 1:].unsqueeze(-1))
+            .squeeze(-1)
+        )
     rollout_logprobs = [logprobs[b][batch.response_mask[b] > 0].tolist() for b in range(len(rows))]
-    table = table.set_column(table.schema.get_field_index("rollout_logprobs"), "rollout_logprobs", pa.array(rollout_logprobs, pa.list_(pa.float32())))
+    table = table.set_column(
+        table.schema.get_field_index("rollout_logprobs"),
+        "rollout_logprobs",
+        pa.array(rollout_logprobs, pa.list_(pa.float32())),
+    )
     with store.writer(stage_path(config.experiment.name, "run", 0, "rollout")) as out:
         out.write_table("trajectories.parquet", table)
     return config, store, policy, tokenizer
@@ -140,11 +155,17 @@ def test_update_moves_the_policy_along_the_advantage(tmp_path):
 
 def test_micro_batching_does_not_change_the_update(tmp_path):
     weights = []
-    for name, overrides in {"one": ["train.micro_batch_size=1"], "all": ["train.micro_batch_size=64"], "tokens": ["train.max_tokens_per_micro_batch=40"]}.items():
+    for name, overrides in {
+        "one": ["train.micro_batch_size=1"],
+        "all": ["train.micro_batch_size=64"],
+        "tokens": ["train.max_tokens_per_micro_batch=40"],
+    }.items():
         config, store, policy, _ = make_run(tmp_path / name, *overrides)
         advantage(config, store, "run", 0)
         result = update(config, store, "run", 0, WG, policy, None)
-        weights.append(load_file(str(store.open(result.artifact).download(tmp_path / name / "w") / "model.safetensors")))
+        weights.append(
+            load_file(str(store.open(result.artifact).download(tmp_path / name / "w") / "model.safetensors"))
+        )
     for other in weights[1:]:
         for key, value in weights[0].items():
             # Adam divides by sqrt(v): parameters with near-zero gradients turn summation-order
@@ -165,8 +186,12 @@ def test_the_mean_over_micro_batches_weighs_short_micro_batches_more(tmp_path):
     one micro-batch it is token-mean exactly; with one row per micro-batch (rows of
     unequal lengths) a short row's tokens weigh more: another gradient, another update."""
     modes = {"token-mean": (), "per-micro-batch": ("algorithm.loss_aggregation=token-mean-per-micro-batch",)}
-    whole = {mode: _updated(tmp_path / f"whole-{mode}", "train.micro_batch_size=64", *extra) for mode, extra in modes.items()}
-    split = {mode: _updated(tmp_path / f"split-{mode}", "train.micro_batch_size=1", *extra) for mode, extra in modes.items()}
+    whole = {
+        mode: _updated(tmp_path / f"whole-{mode}", "train.micro_batch_size=64", *extra) for mode, extra in modes.items()
+    }
+    split = {
+        mode: _updated(tmp_path / f"split-{mode}", "train.micro_batch_size=1", *extra) for mode, extra in modes.items()
+    }
     (tokens, tokens_metrics), (micro, micro_metrics) = whole["token-mean"], whole["per-micro-batch"]
     assert all(torch.equal(tokens[key], micro[key]) for key in tokens)
     assert micro_metrics[f"wg/{WG}/grad_norm"] == tokens_metrics[f"wg/{WG}/grad_norm"]
@@ -185,21 +210,34 @@ def test_activation_checkpointing_recomputes_and_changes_nothing(tmp_path, monke
 
     checkpointed, caches = [], []
     checkpoint = transformers.modeling_utils.checkpoint
-    monkeypatch.setattr(transformers.modeling_utils, "checkpoint", lambda *a, **k: checkpointed.append(1) or checkpoint(*a, **k))
+    monkeypatch.setattr(
+        transformers.modeling_utils, "checkpoint", lambda *a, **k: checkpointed.append(1) or checkpoint(*a, **k)
+    )
 
     def load_and_watch(*args, **kwargs):
         model = load_model(*args, **kwargs)
-        model.register_forward_pre_hook(lambda module, args, kwargs: caches.append(kwargs.get("use_cache")), with_kwargs=True)
+        model.register_forward_pre_hook(
+            lambda module, args, kwargs: caches.append(kwargs.get("use_cache")), with_kwargs=True
+        )
         return model
 
     monkeypatch.setattr("drmas.stages.update.load_model", load_and_watch)
     results = {}
     for on in (False, True):
-        config, store, policy, _ = make_run(tmp_path / str(on), f"train.gradient_checkpointing={on}", "diagnostics.per_agent_grad_norm=true", "train.micro_batch_size=2")
+        config, store, policy, _ = make_run(
+            tmp_path / str(on),
+            f"train.gradient_checkpointing={on}",
+            "diagnostics.per_agent_grad_norm=true",
+            "train.micro_batch_size=2",
+        )
         advantage(config, store, "run", 0)
         result = update(config, store, "run", 0, WG, policy, None)
         folder = store.open(result.artifact).download(tmp_path / str(on) / "out")
-        results[on] = (load_file(str(folder / "model.safetensors")), result.metrics, json.loads((folder / "config.json").read_text()))
+        results[on] = (
+            load_file(str(folder / "model.safetensors")),
+            result.metrics,
+            json.loads((folder / "config.json").read_text()),
+        )
         assert bool(checkpointed) == on
     assert caches and set(caches) == {False}
     (plain, plain_metrics, plain_config), (recomputed, metrics, saved_config) = results[False], results[True]
@@ -215,7 +253,12 @@ def test_deepspeed_config_offloads_the_optimizer_from_zero1_on(tmp_path):
     (DeepSpeed refuses a client optimizer there unless told); ZeRO-0 has none to offload
     (refused with the config, tests/test_config.py)."""
     for stage in (1, 2, 3):
-        config, _, _, _ = make_run(tmp_path / str(stage), "train.backend=deepspeed", f"train.zero_stage={stage}", "train.offload_optimizer=true")
+        config, _, _, _ = make_run(
+            tmp_path / str(stage),
+            "train.backend=deepspeed",
+            f"train.zero_stage={stage}",
+            "train.offload_optimizer=true",
+        )
         ds = deepspeed_config(config, config.worker_groups()[0], 1)
         assert ds["zero_optimization"] == {"stage": stage, "offload_optimizer": {"device": "cpu"}}
         assert ds["zero_force_ds_cpu_optimizer"] is False
@@ -281,7 +324,21 @@ def _update_in_subprocess(tmp_path: Path, name: str, launcher: list[str], *overr
     config_file = tmp_path / name / "config.json"
     config_file.write_text(config.model_copy(update={"store": store.settings()}).to_json())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions")}
-    command = [*launcher, "-m", "drmas.stages.update", "--config", str(config_file), "--run-id", "run", "--iteration", "0", "--wg", WG, "--policy", policy.artifact]
+    command = [
+        *launcher,
+        "-m",
+        "drmas.stages.update",
+        "--config",
+        str(config_file),
+        "--run-id",
+        "run",
+        "--iteration",
+        "0",
+        "--wg",
+        WG,
+        "--policy",
+        policy.artifact,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -297,7 +354,12 @@ def test_two_processes_give_the_same_update_as_one(tmp_path):
     with socket.socket() as probe:  # torchrun hangs with --master_port=0: give it a free port
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    two = _update_in_subprocess(tmp_path, "two", [torchrun, "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}"], *overrides)
+    two = _update_in_subprocess(
+        tmp_path,
+        "two",
+        [torchrun, "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}"],
+        *overrides,
+    )
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-4)
 
@@ -306,7 +368,9 @@ def test_two_processes_give_the_same_update_as_one(tmp_path):
 def test_deepspeed_zero0_matches_plain_torch(tmp_path):
     overrides = ["train.micro_batch_size=2", "train.updates_per_iteration=2"]
     plain = _update_in_subprocess(tmp_path, "torch", [sys.executable], *overrides)
-    speed = _update_in_subprocess(tmp_path, "ds", [sys.executable], *overrides, "train.backend=deepspeed", "train.zero_stage=0")
+    speed = _update_in_subprocess(
+        tmp_path, "ds", [sys.executable], *overrides, "train.backend=deepspeed", "train.zero_stage=0"
+    )
     for key in plain:
         torch.testing.assert_close(speed[key], plain[key], rtol=0, atol=1e-4)
 
@@ -350,7 +414,13 @@ def test_deepspeed_zero_stages_save_and_resume_alike(tmp_path):
     -3 (moments gathered per parameter; ZeRO-3's weights gathered for saving), also with
     the optimizer offloaded to host memory, end where ZeRO-0 does."""
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions")}
-    done = subprocess.run([sys.executable, "-c", ZERO_PARITY, str(Path(__file__).parent), str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", ZERO_PARITY, str(Path(__file__).parent), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     gap = float(done.stdout.split("GAP ")[-1])
     assert gap < 1e-5, done.stdout
@@ -363,7 +433,9 @@ def test_recomputed_old_logprobs_replace_the_engines(tmp_path):
     path = stage_path(config.experiment.name, "run", 0, "rollout")
     table = store.open(path).read_table("trajectories.parquet")
     shifted = [[v - 0.5 for v in row] for row in table["rollout_logprobs"].to_pylist()]
-    table = table.set_column(table.schema.get_field_index("rollout_logprobs"), "rollout_logprobs", pa.array(shifted, pa.list_(pa.float32())))
+    table = table.set_column(
+        table.schema.get_field_index("rollout_logprobs"), "rollout_logprobs", pa.array(shifted, pa.list_(pa.float32()))
+    )
     with store.writer(path, overwrite=True) as out:
         out.write_table("trajectories.parquet", table)
     advantage(config, store, "run", 0)

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from drmas.team.agents import extract_boxed
 from drmas.config import load_config
 from drmas.tasks import Question
 from drmas.tasks.math import answers_match, column_working, generate_arithmetic, math_demonstrations
@@ -19,6 +18,7 @@ from drmas.tasks.search import (
     generated_facts,
     search_demonstrations,
 )
+from drmas.team.agents import extract_boxed
 
 ROOT = Path(__file__).parent.parent
 
@@ -44,7 +44,9 @@ def test_every_generated_problem_is_worked_correctly():
 
 
 def test_demonstrations_are_imperfect_as_configured():
-    config = load_config(ROOT / "configs" / "math_tiny.yaml", ["warmstart.wrong_fraction=0.3", "warmstart.verdict_noise=0.1"])
+    config = load_config(
+        ROOT / "configs" / "math_tiny.yaml", ["warmstart.wrong_fraction=0.3", "warmstart.verdict_noise=0.1"]
+    )
     questions = generate_arithmetic(2000, "train", seed=0)
     demos = math_demonstrations(questions, config, np.random.default_rng(0))
     by_prompt = {prompt: response for prompt, response in demos["solver"] if prompt.count("Solver:") == 1}
@@ -63,7 +65,9 @@ def test_demonstrations_are_imperfect_as_configured():
 def test_non_arithmetic_questions_have_no_demonstrations():
     config = load_config(ROOT / "configs" / "math_tiny.yaml")
     with pytest.raises(ValueError, match="only generated:arithmetic"):
-        math_demonstrations([Question("q", "Prove Fermat's last theorem.", ("x",), "t")], config, np.random.default_rng(0))
+        math_demonstrations(
+            [Question("q", "Prove Fermat's last theorem.", ("x",), "t")], config, np.random.default_rng(0)
+        )
 
 
 SMALL_WORLD = "data.generated_train_size=1200"
@@ -86,15 +90,23 @@ def test_every_question_has_a_plan_that_finds_its_answer():
     for question in train[:300] + evaluation[:60]:
         plan = plans[question.qid]
         assert len(plan) == (2 if question.data_source == "facts-2hop" else 1)
-        found = [passage.text for query in plan for passage in retriever.search([query], config.task.retrieval_top_k)[0]]
-        assert any(question.answers[0] in text for text in found[-config.task.retrieval_top_k :]), (question, plan, found)
+        found = [
+            passage.text for query in plan for passage in retriever.search([query], config.task.retrieval_top_k)[0]
+        ]
+        assert any(question.answers[0] in text for text in found[-config.task.retrieval_top_k :]), (
+            question,
+            plan,
+            found,
+        )
 
 
 def test_perfect_search_demonstrations_answer_every_question():
     """With no noise, every episode routes no until its hops are searched, then answers
     the gold answer; a two-hop question takes three turns."""
     config, train, demos = _search_demos("warmstart.wrong_fraction=0", "warmstart.verdict_noise=0")
-    answers = [response.removeprefix("<think></think><answer>").removesuffix("</answer>") for _, response in demos["answer"]]
+    answers = [
+        response.removeprefix("<think></think><answer>").removesuffix("</answer>") for _, response in demos["answer"]
+    ]
     assert len(answers) == len(train)
     assert all(exact_match(answer, q.answers) for answer, q in zip(answers, train, strict=True))
     two_hop = sum(q.data_source == "facts-2hop" for q in train)
@@ -109,7 +121,10 @@ def test_search_demonstrations_are_imperfect_as_configured():
     answered = [(prompt, response) for prompt, response in demos["answer"]]
     by_question = {q.question: q for q in train}
     right = sum(
-        exact_match(response.removeprefix("<think></think><answer>").removesuffix("</answer>"), by_question[prompt.split("\n", 1)[0].removeprefix("Question: ")].answers)
+        exact_match(
+            response.removeprefix("<think></think><answer>").removesuffix("</answer>"),
+            by_question[prompt.split("\n", 1)[0].removeprefix("Question: ")].answers,
+        )
         for prompt, response in answered
     )
     # wrong answers: 30% on purpose, plus early answers without the passage
@@ -137,7 +152,9 @@ def test_questions_outside_the_generated_world_have_no_demonstrations():
     config = load_config(ROOT / "configs" / "search_tiny.yaml", [SMALL_WORLD])
     retriever = Retriever.build(generated_facts(config.data, config.experiment.seed)[0])
     with pytest.raises(ValueError, match="only generated:facts"):
-        search_demonstrations([Question("nq-1", "Who wrote Hamlet?", ("Shakespeare",), "nq")], config, retriever, np.random.default_rng(0))
+        search_demonstrations(
+            [Question("nq-1", "Who wrote Hamlet?", ("Shakespeare",), "nq")], config, retriever, np.random.default_rng(0)
+        )
 
 
 @pytest.mark.slow
@@ -146,19 +163,24 @@ def test_warm_start_trains_each_worker_group_reproducibly(tmp_path):
     seed gives the same weights, whatever order the processes finish in."""
     from helpers import TINY_OVERRIDES
 
-    from drmas.stages.policies import init_policies
     from drmas.infra.store import Store
+    from drmas.stages.policies import init_policies
     from drmas.stages.warmstart import warmstart
 
     weights = []
     for attempt in ("a", "b"):
-        config = load_config(ROOT / "configs" / "math_tiny.yaml", [*TINY_OVERRIDES, "warmstart.steps=3", f"store.root={tmp_path / attempt}"])
+        config = load_config(
+            ROOT / "configs" / "math_tiny.yaml",
+            [*TINY_OVERRIDES, "warmstart.steps=3", f"store.root={tmp_path / attempt}"],
+        )
         store = Store.from_config(config.store)
         warmed = warmstart(config, store, "r", init_policies(config, store, "r"))
         assert sorted(warmed) == ["solver", "verifier"]
         for wg, ref in warmed.items():
             metrics = store.open(ref.artifact).read_json("metrics.json")
             assert metrics["warmstart/demonstrations"] > 0 and np.isfinite(metrics["warmstart/loss"])
-            assert store.open(ref.artifact).read_bytes("model.safetensors") != store.open(f"math-tiny/r/init/policy/{wg}").read_bytes("model.safetensors")
+            assert store.open(ref.artifact).read_bytes("model.safetensors") != store.open(
+                f"math-tiny/r/init/policy/{wg}"
+            ).read_bytes("model.safetensors")
         weights.append({wg: store.open(ref.artifact).read_bytes("model.safetensors") for wg, ref in warmed.items()})
     assert weights[0] == weights[1]

@@ -116,9 +116,7 @@ def _check_lengths(n_rows: int, **columns: Any) -> None:
             raise ValueError(f"{name} has {len(column)} rows but score has {n_rows}")
 
 
-def _group_of_segment(
-    segment: np.ndarray, group: np.ndarray, n_segments: int, segment_keys: Any
-) -> np.ndarray:
+def _group_of_segment(segment: np.ndarray, group: np.ndarray, n_segments: int, segment_keys: Any) -> np.ndarray:
     """The group of each segment (e.g. the uid of each trajectory), checked to be unique."""
     group_of = np.empty(n_segments, dtype=np.int64)  # [T]
     group_of[segment] = group
@@ -160,7 +158,9 @@ def _normalise_in_groups(
     return np.divide(centred, denominator, out=np.zeros_like(centred), where=denominator > 0)
 
 
-def _trajectory_scores(score: np.ndarray, uid_code: np.ndarray, traj_uid: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _trajectory_scores(
+    score: np.ndarray, uid_code: np.ndarray, traj_uid: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GRPO's samples: (trajectory code of each row [N], each trajectory's mean score [T],
     each trajectory's uid code [T]); a trajectory spread over two uids is refused."""
     traj_code, n_traj = factorize(traj_uid)  # [N]
@@ -258,8 +258,19 @@ def _summaries(gap: np.ndarray, var_ratio: np.ndarray, inflation: np.ndarray) ->
     """The reference's per-agent summaries of the per-group terms (NaN over no group)."""
     if len(gap) == 0:
         return dict.fromkeys(
-            ("inflation_mean", "inflation_p95", "inflation_max", "mean_gap_mean", "mean_gap_abs_mean",
-             "mean_gap_abs_max", "var_ratio_mean", "var_ratio_min", "var_ratio_max"), float("nan"))
+            (
+                "inflation_mean",
+                "inflation_p95",
+                "inflation_max",
+                "mean_gap_mean",
+                "mean_gap_abs_mean",
+                "mean_gap_abs_max",
+                "var_ratio_mean",
+                "var_ratio_min",
+                "var_ratio_max",
+            ),
+            float("nan"),
+        )
     return {
         "inflation_mean": float(inflation.mean()),
         "inflation_p95": float(np.percentile(inflation, 95)),
@@ -398,9 +409,7 @@ def policy_loss(
         metrics = {
             "pg_loss": pg_loss.item(),
             "clipfrac": aggregate_loss((clipped > unclipped).float(), response_mask).item(),
-            "dual_clipfrac": aggregate_loss(
-                (negative & (pessimistic > dual_clipped)).float(), response_mask
-            ).item(),
+            "dual_clipfrac": aggregate_loss((negative & (pessimistic > dual_clipped)).float(), response_mask).item(),
             "approx_kl": aggregate_loss(-log_ratio, response_mask).item(),
         }
     if ref_logprobs is not None and kl_coef != 0.0:

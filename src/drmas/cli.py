@@ -64,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     _config_arguments(config_cmd, optional=True)
     config_cmd.add_argument("--docs", action="store_true", help="document every field")
     config_cmd.add_argument(
-        "-o", "--output", choices=("json", "yaml"), default="json",
+        "-o",
+        "--output",
+        choices=("json", "yaml"),
+        default="json",
         help="format of the resolved config on stdout (default: json); the worker groups go to stderr",
     )
 
@@ -73,28 +76,44 @@ def main(argv: list[str] | None = None) -> int:
     run_cmd.add_argument("--run-id", help="name of the run (default: experiment.run_id or a timestamp)")
     run_cmd.add_argument("--resume", metavar="RUN_ID", help="continue this run after its last complete iteration")
     run_cmd.add_argument(
-        "--via", choices=("embedded", "kfp-local"), default="embedded",
+        "--via",
+        choices=("embedded", "kfp-local"),
+        default="embedded",
         help="embedded: the runner in this process (default); kfp-local: the Kubeflow pipeline with kfp.local",
     )
     _pipeline_options(run_cmd, run_id=False)
 
     eval_cmd = commands.add_parser("eval", help="evaluate a run's checkpoint on an eval set")
-    _config_arguments(eval_cmd, "YAML config file (its eval section and data.eval are used)", "e.g. data.eval=other.jsonl")
+    _config_arguments(
+        eval_cmd, "YAML config file (its eval section and data.eval are used)", "e.g. data.eval=other.jsonl"
+    )
     eval_cmd.add_argument("--run-id", required=True, help="the run whose checkpoint to evaluate")
     eval_cmd.add_argument("--iteration", type=int, metavar="I", help="checkpointed iteration (default: the last)")
 
     rerun_cmd = commands.add_parser("rerun", help="recompute one stage of an iteration from its stored inputs")
     _config_arguments(rerun_cmd, "YAML config file of the run", "must match the run's")
     rerun_cmd.add_argument("--run-id", required=True, help="the run whose iteration to recompute")
-    rerun_cmd.add_argument("--iteration", type=int, required=True, metavar="I", help="a checkpointed iteration of the run")
+    rerun_cmd.add_argument(
+        "--iteration", type=int, required=True, metavar="I", help="a checkpointed iteration of the run"
+    )
     rerun_cmd.add_argument("--stage", required=True, choices=RERUN_STAGES, help="the stage to recompute")
-    rerun_cmd.add_argument("--worker-group", metavar="WG", help="with --stage update: only this worker group's update (default: every group's)")
+    rerun_cmd.add_argument(
+        "--worker-group",
+        metavar="WG",
+        help="with --stage update: only this worker group's update (default: every group's)",
+    )
 
-    compare_cmd = commands.add_parser("compare", help="train the same team per advantage mode and seed, and compare them")
+    compare_cmd = commands.add_parser(
+        "compare", help="train the same team per advantage mode and seed, and compare them"
+    )
     _config_arguments(compare_cmd, overrides_help="for every run")
-    compare_cmd.add_argument("--advantage", default="grpo,drmas", help="comma-separated advantage modes (default: grpo,drmas)")
+    compare_cmd.add_argument(
+        "--advantage", default="grpo,drmas", help="comma-separated advantage modes (default: grpo,drmas)"
+    )
     compare_cmd.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default: 3)")
-    compare_cmd.add_argument("--name", default="compare", help="prefix of the runs and folder of the report (default: compare)")
+    compare_cmd.add_argument(
+        "--name", default="compare", help="prefix of the runs and folder of the report (default: compare)"
+    )
 
     compile_cmd = commands.add_parser("compile", help="compile the Kubeflow pipeline of a config to YAML")
     _config_arguments(compile_cmd)
@@ -107,7 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     submit_cmd.add_argument("--experiment", help="KFP experiment (default: experiment.name)")
     submit_cmd.add_argument("--run-name", help="KFP run name (default: the run id and the pipeline)")
     submit_cmd.add_argument("--namespace", help="Kubernetes namespace of a multi-user Kubeflow")
-    submit_cmd.add_argument("--service-account", default=None, help="the steps' ServiceAccount (default: drmas-pipeline; '' for the namespace default)")
+    submit_cmd.add_argument(
+        "--service-account",
+        default=None,
+        help="the steps' ServiceAccount (default: drmas-pipeline; '' for the namespace default)",
+    )
     submit_cmd.add_argument("-o", "--output", help="also keep the compiled pipeline here")
     _pipeline_options(submit_cmd)
 
@@ -136,8 +159,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.via == "kfp-local":
             return _run_kfp_local(args)
         if args.force or args.pipeline != "train" or args.start_iteration or args.checkpoint or args.iterations:
-            return _fail("run", "--pipeline, --start-iteration, --iterations, --checkpoint and --force need --via kfp-local "
-                         "(the embedded runner resumes with --resume; drmas rerun recomputes a stage)", 2)
+            return _fail(
+                "run",
+                "--pipeline, --start-iteration, --iterations, --checkpoint and --force need --via kfp-local "
+                "(the embedded runner resumes with --resume; drmas rerun recomputes a stage)",
+                2,
+            )
         return _run(args)
     except ConfigError as error:
         print(f"drmas: {error}", file=sys.stderr)
@@ -145,13 +172,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _config_arguments(
-    command: argparse.ArgumentParser, config_help: str = "YAML config file", overrides_help: str = "", optional: bool = False
+    command: argparse.ArgumentParser,
+    config_help: str = "YAML config file",
+    overrides_help: str = "",
+    optional: bool = False,
 ) -> None:
     """The CONFIG file and the overrides that every command takes first; the overrides
     may be none (``default``: argparse would otherwise call them required)."""
     command.add_argument("config", nargs="?" if optional else None, metavar="CONFIG", help=config_help)
     command.add_argument(
-        "overrides", nargs="*", default=[], metavar="a.b=value",
+        "overrides",
+        nargs="*",
+        default=[],
+        metavar="a.b=value",
         help="section.field=value overrides" + (f" ({overrides_help})" if overrides_help else ""),
     )
 
@@ -162,7 +195,9 @@ def _config_file_problem(config: str) -> str | None:
     path = Path(config)
     if path.is_dir():
         files = sorted(str(file) for file in path.glob("*.y*ml"))
-        return f"CONFIG {config} is a folder, not a YAML file" + (f"; its YAML files: {', '.join(files)}" if files else "")
+        return f"CONFIG {config} is a folder, not a YAML file" + (
+            f"; its YAML files: {', '.join(files)}" if files else ""
+        )
     if "=" in config and not path.exists():
         return f"CONFIG is missing: {config} is an override; the YAML file comes first (CONFIG a.b=value ...)"
     return None
@@ -190,7 +225,11 @@ def _underlying(error: object) -> object:
     """The exception a Ray task raised rather than Ray's wrapper around it, whose text is
     the remote traceback: the user needs the reason, which the cause's message gives."""
     ray_exceptions = sys.modules.get("ray.exceptions")
-    while ray_exceptions is not None and isinstance(error, ray_exceptions.RayTaskError) and isinstance(error.cause, BaseException):
+    while (
+        ray_exceptions is not None
+        and isinstance(error, ray_exceptions.RayTaskError)
+        and isinstance(error.cause, BaseException)
+    ):
         error = error.cause
     return error
 
@@ -227,7 +266,9 @@ def _missing_run(config: DrmasConfig, store: Store, run_id: str) -> str | None:
         return None
     experiment = config.experiment.name
     runs = [path.split("/")[1] for path in store.list(experiment) if path.count("/") == 2 and path.endswith("/run")]
-    return f"no run {run_id!r} in {store.uri(experiment)} (" + (f"its runs: {', '.join(runs)})" if runs else "it has no runs)")
+    return f"no run {run_id!r} in {store.uri(experiment)} (" + (
+        f"its runs: {', '.join(runs)})" if runs else "it has no runs)"
+    )
 
 
 def _run_id(args: argparse.Namespace, config: DrmasConfig) -> str:
@@ -266,8 +307,8 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from drmas.runner import open_run, summary_table, train  # noqa: PLC0415
     from drmas.infra.store import Store  # noqa: PLC0415
+    from drmas.runner import open_run, summary_table, train  # noqa: PLC0415
 
     config, run_id = _start_run(args)
     try:
@@ -279,7 +320,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.resume is not None and (missing := _missing_run(config, store, run_id)):
             return _fail("run", missing)
         config = open_run(config, store, run_id, resume=args.resume is not None)
-        print(f"run {run_id}: {config.experiment.iterations} iterations, store {store.uri(config.experiment.name)}/{run_id}")
+        print(
+            f"run {run_id}: {config.experiment.iterations} iterations, store {store.uri(config.experiment.name)}/{run_id}"
+        )
         summary = train(config, store, run_id, cache_dir=Path(".cache") / "drmas", config_path=args.config)
     except _stopping_errors() as error:
         return _fail("run", f"cannot continue run {run_id}: {_underlying(error)}")
@@ -290,21 +333,27 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if table := summary_table(summary, config.eval.k):
         print(table)
-    print(f"checkpoint: {summary.checkpoint}\nreport: {summary.report}/report.md\nmlflow: {summary.tracking} (browse with: make ui)")
+    print(
+        f"checkpoint: {summary.checkpoint}\nreport: {summary.report}/report.md\nmlflow: {summary.tracking} (browse with: make ui)"
+    )
     return 0
 
 
 def _rerun(args: argparse.Namespace) -> int:
-    from drmas.runner import open_run, rerun  # noqa: PLC0415
     from drmas.infra.store import Store  # noqa: PLC0415
+    from drmas.runner import open_run, rerun  # noqa: PLC0415
 
     config = _load(args)
     stage = args.stage
     if args.worker_group is not None:
         groups = [group.name for group in config.worker_groups()]
         if stage != "update" or args.worker_group not in groups:
-            return _fail("rerun", f"--worker-group takes --stage update and one of {', '.join(groups)} "
-                         f"(got --stage {stage} --worker-group {args.worker_group})", 2)
+            return _fail(
+                "rerun",
+                f"--worker-group takes --stage update and one of {', '.join(groups)} "
+                f"(got --stage {stage} --worker-group {args.worker_group})",
+                2,
+            )
         stage = f"policy/{args.worker_group}"
     try:
         store = Store.from_config(config.store)
@@ -314,7 +363,9 @@ def _rerun(args: argparse.Namespace) -> int:
         result = rerun(config, store, args.run_id, args.iteration, stage, cache_dir=Path(".cache") / "drmas")
     except _stopping_errors() as error:
         return _fail("rerun", error)
-    print(f"recomputed: {', '.join(result.recomputed)}; cache hits: {', '.join(n for n in result.stages if n not in result.recomputed and not n.startswith('optim/'))}")
+    print(
+        f"recomputed: {', '.join(result.recomputed)}; cache hits: {', '.join(n for n in result.stages if n not in result.recomputed and not n.startswith('optim/'))}"
+    )
     return 0
 
 
@@ -324,9 +375,13 @@ def _compare(args: argparse.Namespace) -> int:
     _load(args)  # validates the config and the overrides before any run starts
     modes = [mode.strip() for mode in args.advantage.split(",") if mode.strip()]
     if not modes or any(mode not in ("grpo", "drmas") for mode in modes) or args.seeds < 1:
-        return _fail("compare", f"--advantage takes grpo and/or drmas (got {args.advantage!r}) and --seeds at least 1", 2)
+        return _fail(
+            "compare", f"--advantage takes grpo and/or drmas (got {args.advantage!r}) and --seeds at least 1", 2
+        )
     try:
-        runs, report = compare(args.config, args.overrides, modes, list(range(args.seeds)), args.name, cache_dir=Path(".cache") / "drmas")
+        runs, report = compare(
+            args.config, args.overrides, modes, list(range(args.seeds)), args.name, cache_dir=Path(".cache") / "drmas"
+        )
     except _stopping_errors() as error:
         return _fail("compare", error)
     except KeyboardInterrupt:
@@ -337,12 +392,12 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     """Evaluate a checkpoint; results go to ``iter-I/evaluate-{hash of the eval settings}``."""
+    from drmas.generation.pool import RayPool, connect_ray  # noqa: PLC0415
+    from drmas.generation.workers import PolicyRef  # noqa: PLC0415
+    from drmas.infra.layout import policy_path, stage_path  # noqa: PLC0415
+    from drmas.infra.store import Store  # noqa: PLC0415
     from drmas.stages.contracts import settings_label  # noqa: PLC0415
     from drmas.stages.evaluate import evaluate  # noqa: PLC0415
-    from drmas.infra.layout import policy_path, stage_path  # noqa: PLC0415
-    from drmas.generation.pool import RayPool, connect_ray  # noqa: PLC0415
-    from drmas.infra.store import Store  # noqa: PLC0415
-    from drmas.generation.workers import PolicyRef  # noqa: PLC0415
 
     config = _load(args)
     experiment = config.experiment.name
@@ -362,7 +417,10 @@ def _eval(args: argparse.Namespace) -> int:
         if store.exists(path):
             metrics = store.open(path).read_json("metrics.json")
         else:
-            policies = {g.name: PolicyRef(policy_path(experiment, args.run_id, iteration, g.name)) for g in config.worker_groups()}
+            policies = {
+                g.name: PolicyRef(policy_path(experiment, args.run_id, iteration, g.name))
+                for g in config.worker_groups()
+            }
             started = connect_ray(config)
             try:
                 with RayPool(config, store) as pool:
@@ -383,27 +441,38 @@ def _eval(args: argparse.Namespace) -> int:
 def _pipeline_options(command: argparse.ArgumentParser, run_id: bool = True) -> None:
     """The options shared by compile, submit and run --via kfp-local."""
     command.add_argument(
-        "--pipeline", choices=("train", "rl_iteration", "evaluate"), default="train",
+        "--pipeline",
+        choices=("train", "rl_iteration", "evaluate"),
+        default="train",
         help="train: warm start then every iteration (default); rl_iteration: one iteration; evaluate: a checkpoint",
     )
     if run_id:
         command.add_argument("--run-id", help="the drmas run (store folder; default: experiment.run_id or a timestamp)")
     command.add_argument(
-        "--start-iteration", type=int, default=0, metavar="K",
+        "--start-iteration",
+        type=int,
+        default=0,
+        metavar="K",
         help="train: start at iteration K from the checkpoint of K-1; rl_iteration: the iteration to run",
     )
     command.add_argument(
-        "--iterations", type=int, metavar="N",
+        "--iterations",
+        type=int,
+        metavar="N",
         help="train: at most N iterations from the start (default: up to experiment.iterations); "
         "split long runs: KFP keeps a run's whole spec, about 37 KiB per iteration",
     )
     command.add_argument(
-        "--checkpoint", metavar="URI",
+        "--checkpoint",
+        metavar="URI",
         help="store URI of the checkpoint to start from (default: the run's checkpoint of K-1) or, "
         "for --pipeline evaluate, to evaluate (default: the run's last)",
     )
     command.add_argument(
-        "--force", action="append", default=[], metavar="STAGE[@I]",
+        "--force",
+        action="append",
+        default=[],
+        metavar="STAGE[@I]",
         help="recompute this stage (warmstart, rollout, advantage, update, update/WG, checkpoint, evaluate), "
         "in every iteration or in iteration I only, even where a cached result exists; repeatable",
     )
@@ -414,11 +483,16 @@ def _build_pipeline(args: argparse.Namespace, config: DrmasConfig, run_id: str):
     try:
         from drmas_kfp.pipelines.build import build_pipeline  # noqa: PLC0415 - kfp only for these commands
     except ImportError as error:
-        _fail(args.command, f"the Kubeflow pipelines are not installed here ({error}); "
-              "install drmas from its repository (pip install -e .)")
+        _fail(
+            args.command,
+            f"the Kubeflow pipelines are not installed here ({error}); "
+            "install drmas from its repository (pip install -e .)",
+        )
         return None
     try:
-        return build_pipeline(args.pipeline, config, run_id, args.start_iteration, args.checkpoint, args.force, args.iterations)
+        return build_pipeline(
+            args.pipeline, config, run_id, args.start_iteration, args.checkpoint, args.force, args.iterations
+        )
     except ValueError as error:
         _fail(args.command, error)
         return None
@@ -443,24 +517,36 @@ def _compile_or_submit(args: argparse.Namespace) -> int:
     if args.command == "compile":
         path = compile_pipeline(func, args.output)
         print(f"compiled the {what} to {path}")
-        print(f"parameters: {', '.join(f'{k}={v}' for k, v in arguments.items() if k != 'config_json')} (and config_json)")
+        print(
+            f"parameters: {', '.join(f'{k}={v}' for k, v in arguments.items() if k != 'config_json')} (and config_json)"
+        )
         return 0
     from drmas_kfp.pipelines.submit import SERVICE_ACCOUNT, submit  # noqa: PLC0415
 
     if not config.store.root.startswith("s3://"):
-        print(f"drmas submit: warning: store.root is {config.store.root!r}, a local folder; the pipeline's pods "
-              "see it only if it is a volume mounted there (use s3://bucket/prefix)", file=sys.stderr)
+        print(
+            f"drmas submit: warning: store.root is {config.store.root!r}, a local folder; the pipeline's pods "
+            "see it only if it is a volume mounted there (use s3://bucket/prefix)",
+            file=sys.stderr,
+        )
     with tempfile.TemporaryDirectory() as scratch:
         path = compile_pipeline(func, args.output or Path(scratch) / "pipeline.yaml")
         if path.stat().st_size > LARGE_PIPELINE:
-            print(f"drmas submit: warning: the compiled pipeline is {path.stat().st_size >> 20} MiB; KFP keeps a run's whole "
-                  "spec (its database, the Argo workflow in etcd: 1.5 MiB): submit it in parts with "
-                  "--iterations N and --start-iteration K", file=sys.stderr)
-        name = args.run_name or f"{run_id} {args.pipeline}" + (f" (force {', '.join(args.force)})" if args.force else "")
+            print(
+                f"drmas submit: warning: the compiled pipeline is {path.stat().st_size >> 20} MiB; KFP keeps a run's whole "
+                "spec (its database, the Argo workflow in etcd: 1.5 MiB): submit it in parts with "
+                "--iterations N and --start-iteration K",
+                file=sys.stderr,
+            )
+        name = args.run_name or f"{run_id} {args.pipeline}" + (
+            f" (force {', '.join(args.force)})" if args.force else ""
+        )
         account = SERVICE_ACCOUNT if args.service_account is None else args.service_account
         try:
-            kfp_run, url = submit(path, args.host, arguments, args.experiment or config.experiment.name, name, args.namespace, account)
-        except Exception as error:  # noqa: BLE001 - the client raises many kinds; say which host failed
+            kfp_run, url = submit(
+                path, args.host, arguments, args.experiment or config.experiment.name, name, args.namespace, account
+            )
+        except Exception as error:
             return _fail("submit", f"could not start the run on {args.host}: {type(error).__name__}: {error}")
     print(f"submitted the {what} as KFP run {kfp_run} (drmas run {run_id}): {url}")
     return 0
@@ -474,13 +560,17 @@ def _run_kfp_local(args: argparse.Namespace) -> int:
     func, arguments = built
     from drmas_kfp.pipelines.local import DEFAULT_ROOT, run_local  # noqa: PLC0415
 
-    print(f"run {run_id}: the {args.pipeline} pipeline {func.name} with kfp.local (outputs and cache in {DEFAULT_ROOT})")
+    print(
+        f"run {run_id}: the {args.pipeline} pipeline {func.name} with kfp.local (outputs and cache in {DEFAULT_ROOT})"
+    )
     try:
         output = run_local(func, arguments, config, DEFAULT_ROOT)
     except RuntimeError as error:
         return _fail("run", f"the pipeline failed: {error}")
     except KeyboardInterrupt:
-        return _fail("run", f"interrupted; run the same command again to continue run {run_id} (finished tasks are cached)", 130)
+        return _fail(
+            "run", f"interrupted; run the same command again to continue run {run_id} (finished tasks are cached)", 130
+        )
     where = output.metadata.get("store_uri", output.uri) if output is not None else ""
     print(f"{'results' if args.pipeline == 'evaluate' else 'checkpoint'}: {where}")
     return 0
@@ -506,12 +596,10 @@ def describe_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
             lines.append(f"{path}: {field.description or ''}")
             lines += describe_fields(nested, prefix=f"{path}{_container_suffix(field)}.")
             continue
-        default = (
-            "required"
-            if field.is_required()
-            else f"default {field.get_default(call_default_factory=True)!r}"
+        default = "required" if field.is_required() else f"default {field.get_default(call_default_factory=True)!r}"
+        lines.append(
+            f"{path} ({_type_name(field.annotation)}, {default}): {(field.description or '').replace(chr(10), ' ')}"
         )
-        lines.append(f"{path} ({_type_name(field.annotation)}, {default}): {(field.description or '').replace(chr(10), ' ')}")
     return lines
 
 

@@ -57,9 +57,7 @@ class ConfigError(ValueError):
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, docstrings are docs."""
 
-    model_config = ConfigDict(
-        extra="forbid", use_attribute_docstrings=True, validate_assignment=True
-    )
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -133,8 +131,7 @@ class DataConfig(Section):
 TemplateVariables = dict[str, bool | int | float | str]
 """Chat-template variables: JSON scalars, so that the resolved config stays plain JSON."""
 CHAT_TEMPLATE_ARGUMENTS = frozenset(
-    {"conversation", "add_generation_prompt", "continue_final_message", "tokenize"}
-    | {"return_dict", "chat_template"}
+    {"conversation", "add_generation_prompt", "continue_final_message", "tokenize"} | {"return_dict", "chat_template"}
 )
 """``apply_chat_template`` arguments that drmas sets itself: not allowed as template
 variables in ``models.NAME.chat_template_kwargs``."""
@@ -184,13 +181,9 @@ class ModelSpec(Section):
                 raise ValueError(f"source {self.source!r} {problem}")
         if self.source == "scratch":
             if self.hidden_size % self.num_heads:
-                raise ValueError(
-                    f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
-                )
+                raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
             if self.num_heads % self.num_kv_heads:
-                raise ValueError(
-                    f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}"
-                )
+                raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
         return self
 
 
@@ -327,7 +320,9 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _offload_needs_zero(self) -> TrainConfig:
         if self.offload_optimizer and self.backend == "deepspeed" and self.zero_stage == 0:
-            raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3 (ZeRO-Offload partitions the optimizer state it moves to host memory)")
+            raise ValueError(
+                "offload_optimizer needs zero_stage 1, 2 or 3 (ZeRO-Offload partitions the optimizer state it moves to host memory)"
+            )
         return self
 
 
@@ -363,9 +358,7 @@ class EvalConfig(Section):
     """Evaluate every this many iterations (and after the last); 0 never evaluates."""
     k: int = Field(4, ge=1)
     """Samples per eval question (avg@k, pass@k)."""
-    sampling: SamplingConfig = Field(
-        default_factory=lambda: SamplingConfig(temperature=0.6, top_p=0.95)
-    )
+    sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=0.6, top_p=0.95))
     """Sampling for evaluation."""
     max_questions: int | None = Field(None, ge=1)
     """Evaluate on at most this many questions of the eval set."""
@@ -504,8 +497,7 @@ class DrmasConfig(Section):
                     f"{name!r}{_did_you_mean(name, expected)} (its agents: {', '.join(expected)})"
                 )
         problems += [
-            f"agents: orchestra {self.task.orchestra_name!r} needs agent {name!r}, which is "
-            "not configured"
+            f"agents: orchestra {self.task.orchestra_name!r} needs agent {name!r}, which is not configured"
             for name in expected
             if name not in names
         ]
@@ -559,13 +551,10 @@ class DrmasConfig(Section):
             for name in agent_names:
                 if name not in by_name:
                     problems.append(
-                        f"workers.groups.{wg_name}: unknown agent {name!r}"
-                        f"{_did_you_mean(name, list(by_name))}"
+                        f"workers.groups.{wg_name}: unknown agent {name!r}{_did_you_mean(name, list(by_name))}"
                     )
                 elif name in seen:
-                    problems.append(
-                        f"workers.groups: agent {name!r} is in both {seen[name]!r} and {wg_name!r}"
-                    )
+                    problems.append(f"workers.groups: agent {name!r} is in both {seen[name]!r} and {wg_name!r}")
                 else:
                     seen[name] = wg_name
             models = {by_name[n].model for n in agent_names if n in by_name}
@@ -574,11 +563,7 @@ class DrmasConfig(Section):
                     f"workers.groups.{wg_name}: its agents name different models "
                     f"({', '.join(sorted(models))}); a worker group is one model"
                 )
-        problems += [
-            f"workers.groups: agent {name!r} is in no worker group"
-            for name in by_name
-            if name not in seen
-        ]
+        problems += [f"workers.groups: agent {name!r} is in no worker group" for name in by_name if name not in seen]
         if problems:
             raise ValueError("\n".join(problems))
         return {wg: [by_name[n] for n in names] for wg, names in self.workers.groups.items()}
@@ -730,7 +715,9 @@ Location = tuple[str | int, ...]
 """A path in the raw config, as pydantic reports it: ('agents', 0, 'lr')."""
 
 
-def _apply_overrides(raw: dict[str, Any], overrides: typing.Iterable[str]) -> tuple[dict[str, Any], list[tuple[str, Location]]]:
+def _apply_overrides(
+    raw: dict[str, Any], overrides: typing.Iterable[str]
+) -> tuple[dict[str, Any], list[tuple[str, Location]]]:
     """``apply_overrides``, and each override's key as typed with the location it set
     (``agents.solver.lr`` -> ('agents', 0, 'lr')), to report problems under the key.
 
@@ -791,7 +778,9 @@ def _set_path(node: Any, parts: list[str], value: Any) -> Location:
 def _list_index(items: list[Any], part: str, where: str) -> int:
     if part.isdigit() and int(part) < len(items):
         return int(part)
-    labels = [str(item.get("name", index)) if isinstance(item, dict) else str(index) for index, item in enumerate(items)]
+    labels = [
+        str(item.get("name", index)) if isinstance(item, dict) else str(index) for index, item in enumerate(items)
+    ]
     if part in labels:
         return labels.index(part)
     listed = where.rpartition(".")[0] or where
@@ -820,7 +809,7 @@ def _name_override(problem: str, targets: list[tuple[str, Location]]) -> str:
         return problem
     _, _, key = max(causes)
     parts = key.split(".")
-    path = ".".join(parts[: len(location)]) + _dotted(location[len(parts):], nested=True)
+    path = ".".join(parts[: len(location)]) + _dotted(location[len(parts) :], nested=True)
     return f"{OVERRIDE_PREFIX}{key}: {message}" if path == key else f"{OVERRIDE_PREFIX}{key}: {path}: {message}"
 
 
@@ -842,8 +831,7 @@ def _explain(error: ValidationError) -> list[str]:
         elif item["type"] == "value_error":
             message = item["msg"].removeprefix("Value error, ")
             problems += [
-                line if not path or line.startswith(path) else f"{path}: {line}"
-                for line in message.split("\n")
+                line if not path or line.startswith(path) else f"{path}: {line}" for line in message.split("\n")
             ]
         else:
             shown = repr(item.get("input"))

@@ -36,7 +36,9 @@ def _load(kind: str, name: str, builtin: dict[str, str], shape: str) -> Any:
     path = builtin.get(name, name)
     if ":" not in path:
         known = ", ".join(sorted(builtin))
-        raise ValueError(f"unknown {kind} {name!r}: use one of {known}, or an import path 'package.module:ClassName' to {shape}")
+        raise ValueError(
+            f"unknown {kind} {name!r}: use one of {known}, or an import path 'package.module:ClassName' to {shape}"
+        )
     module_name, _, attribute = path.partition(":")
     try:
         return getattr(importlib.import_module(module_name), attribute)

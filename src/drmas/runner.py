@@ -20,21 +20,29 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from drmas.stages.advantage import advantage
-from drmas.infra.caching import is_cached
-from drmas.stages.checkpoint import checkpoint, resume_point
-from drmas.stages.contracts import AdvantageContract, CheckpointContract, EvaluateContract, RolloutContract, StageContract, UpdateContract, cache_key
-from drmas.stages.evaluate import evaluate
-from drmas.config import ConfigError, DrmasConfig
-from drmas.infra.layout import optim_path, policy_path, run_path, stage_path
-from drmas.stages.policies import init_policies
-from drmas.generation.pool import PoolOnDemand
 from drmas.analysis.report import run_history, write_report
-from drmas.stages.rollout import rollout, task_questions
+from drmas.config import ConfigError, DrmasConfig
+from drmas.generation.pool import PoolOnDemand
+from drmas.generation.workers import PolicyRef
+from drmas.infra.caching import is_cached
+from drmas.infra.layout import optim_path, policy_path, run_path, stage_path
 from drmas.infra.store import Store, iteration_path
+from drmas.stages.advantage import advantage
+from drmas.stages.checkpoint import checkpoint, resume_point
+from drmas.stages.contracts import (
+    AdvantageContract,
+    CheckpointContract,
+    EvaluateContract,
+    RolloutContract,
+    StageContract,
+    UpdateContract,
+    cache_key,
+)
+from drmas.stages.evaluate import evaluate
+from drmas.stages.policies import init_policies
+from drmas.stages.rollout import rollout, task_questions
 from drmas.stages.update import update
 from drmas.stages.warmstart import warmstart
-from drmas.generation.workers import PolicyRef
 
 __all__ = ["IterationResult", "RunSummary", "open_run", "rerun", "run_iteration", "summary_table", "train"]
 
@@ -60,7 +68,10 @@ SAMPLE_CALLS = 16
 
 def _sample_calls(store: Store, rollout_path: str) -> dict[str, list]:
     table = store.open(rollout_path).read_table("trajectories.parquet").slice(0, SAMPLE_CALLS)
-    return {name: table[name].to_pylist() for name in ("traj_uid", "env_step", "agent", "response_text", "is_valid", "reward")}
+    return {
+        name: table[name].to_pylist()
+        for name in ("traj_uid", "env_step", "agent", "response_text", "is_valid", "reward")
+    }
 
 
 def open_run(config: DrmasConfig, store: Store, run_id: str, resume: bool) -> DrmasConfig:
@@ -83,9 +94,13 @@ def open_run(config: DrmasConfig, store: Store, run_id: str, resume: bool) -> Dr
     recorded = DrmasConfig.from_json(store.open(path).read_bytes("config.json").decode())
     theirs = recorded.flat_params()
     ours = config.flat_params()
-    changed = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k) and not _may_change_on_resume(k))
+    changed = sorted(
+        k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k) and not _may_change_on_resume(k)
+    )
     if changed:
-        raise ConfigError([f"{key}: the run was started with {theirs.get(key)}, now {ours.get(key)}" for key in changed])
+        raise ConfigError(
+            [f"{key}: the run was started with {theirs.get(key)}, now {ours.get(key)}" for key in changed]
+        )
     return config
 
 
@@ -144,28 +159,49 @@ def run_iteration(
         out.stages[name] = path
         bar.update()
 
-    stage("rollout", RolloutContract(run_id, i, policies),
-          lambda key: rollout(config, store, run_id, i, policies, pool(), overwrite=True, cache_key=key))
-    stage("advantage", AdvantageContract(run_id, i),
-          lambda key: advantage(config, store, run_id, i, overwrite=True, cache_key=key))
+    stage(
+        "rollout",
+        RolloutContract(run_id, i, policies),
+        lambda key: rollout(config, store, run_id, i, policies, pool(), overwrite=True, cache_key=key),
+    )
+    stage(
+        "advantage",
+        AdvantageContract(run_id, i),
+        lambda key: advantage(config, store, run_id, i, overwrite=True, cache_key=key),
+    )
     for wg in policies:
         contract = UpdateContract(run_id, i, wg, policies[wg], optims[wg], reference[wg])
-        stage(f"policy/{wg}", contract,
-              lambda key, wg=wg: update(config, store, run_id, i, wg, policies[wg], optims[wg], reference[wg], overwrite=True, cache_key=key))
+        stage(
+            f"policy/{wg}",
+            contract,
+            lambda key, wg=wg: update(
+                config, store, run_id, i, wg, policies[wg], optims[wg], reference[wg], overwrite=True, cache_key=key
+            ),
+        )
         out.stages[f"optim/{wg}"] = contract.optim_output(config)
         out.policies[wg], out.optims[wg] = PolicyRef(out.stages[f"policy/{wg}"]), PolicyRef(out.stages[f"optim/{wg}"])
     if evaluating:
         evaluation = EvaluateContract(iteration_path(experiment, run_id, i), out.policies)
-        stage("evaluate", evaluation,
-              lambda key: evaluate(config, store, evaluation.output(config), out.policies, pool(), overwrite=True, cache_key=key))
+        stage(
+            "evaluate",
+            evaluation,
+            lambda key: evaluate(
+                config, store, evaluation.output(config), out.policies, pool(), overwrite=True, cache_key=key
+            ),
+        )
     out.metrics["time/iteration"] = time.perf_counter() - began
-    stage("checkpoint", CheckpointContract(run_id, i),
-          lambda key: checkpoint(config, store, run_id, i, dict(out.metrics), overwrite=True, cache_key=key))
+    stage(
+        "checkpoint",
+        CheckpointContract(run_id, i),
+        lambda key: checkpoint(config, store, run_id, i, dict(out.metrics), overwrite=True, cache_key=key),
+    )
     bar.close()
     return out
 
 
-def train(config: DrmasConfig, store: Store, run_id: str, cache_dir: Path | None = None, config_path: str | None = None) -> RunSummary:
+def train(
+    config: DrmasConfig, store: Store, run_id: str, cache_dir: Path | None = None, config_path: str | None = None
+) -> RunSummary:
     """Train from the last complete iteration to ``experiment.iterations``.
 
     Metrics go to MLflow with ``step`` = the number of completed iterations (step 0 is the
@@ -193,7 +229,11 @@ def train(config: DrmasConfig, store: Store, run_id: str, cache_dir: Path | None
             if config.eval.every and start.next_iteration == 0:
                 evaluation = EvaluateContract(f"{run_path(experiment, run_id)}/init", initial)
                 path, key = evaluation.output(config), cache_key(config, store, evaluation)
-                before = store.open(path).read_json("metrics.json") if is_cached(store, path, key) else evaluate(config, store, path, initial, pool(), overwrite=True, cache_key=key).metrics
+                before = (
+                    store.open(path).read_json("metrics.json")
+                    if is_cached(store, path, key)
+                    else evaluate(config, store, path, initial, pool(), overwrite=True, cache_key=key).metrics
+                )
                 tracker.log_metrics(before, step=0)
                 log.info("before training: %s", _eval_line(before, config.eval.k))
             for i in range(start.next_iteration, total):
@@ -203,7 +243,9 @@ def train(config: DrmasConfig, store: Store, run_id: str, cache_dir: Path | None
                 tracker.log_lineage(i, {name: store.uri(path) for name, path in result.stages.items()})
                 tracker.log_episodes(i, _sample_calls(store, result.stages["rollout"]))
                 rollout_path = result.stages["rollout"]
-                tracker.log_dataset(f"trajectories-iter-{i:06d}", store.uri(rollout_path), store.fingerprint(rollout_path), "rollout")
+                tracker.log_dataset(
+                    f"trajectories-iter-{i:06d}", store.uri(rollout_path), store.fingerprint(rollout_path), "rollout"
+                )
                 last_checkpoint = store.uri(result.stages["checkpoint"])
                 log.info(_summary_line(i, metrics, config.eval.k))
     except BaseException:
@@ -220,8 +262,12 @@ def _log_question_sets(config: DrmasConfig, tracker) -> None:
     """The train and eval question sets as MLflow dataset inputs (source and digest)."""
     for split, context in (("train", "training"), ("eval", "evaluation")):
         questions = task_questions(config, split)
-        digest = hashlib.sha256("\n".join(f"{q.qid}\t{q.question}\t{q.answers}" for q in questions).encode()).hexdigest()
-        tracker.log_dataset(f"{config.task.name}-{split}", config.data_spec(split), digest, context, rows=len(questions))
+        digest = hashlib.sha256(
+            "\n".join(f"{q.qid}\t{q.question}\t{q.answers}" for q in questions).encode()
+        ).hexdigest()
+        tracker.log_dataset(
+            f"{config.task.name}-{split}", config.data_spec(split), digest, context, rows=len(questions)
+        )
 
 
 def _report(config: DrmasConfig, store: Store, run_id: str, tracker, summary: RunSummary) -> str:
@@ -243,16 +289,22 @@ def summary_table(summary: RunSummary, k: int) -> str:
     if not summary.before and not any(key.startswith("eval/") for key in summary.metrics):
         return ""
     rows = [(f"eval avg@{k}", f"eval/avg_at_{k}"), (f"eval pass@{k}", f"eval/pass_at_{k}")]
-    agents = sorted({key.split("/")[2] for key in summary.metrics if key.startswith("eval/agent/") and key.endswith("/valid_rate")})
+    agents = sorted(
+        {key.split("/")[2] for key in summary.metrics if key.startswith("eval/agent/") and key.endswith("/valid_rate")}
+    )
     rows += [(f"{agent} valid outputs", f"eval/agent/{agent}/valid_rate") for agent in agents]
     lines = [f"{'':24} {'before':>8} {'after':>8}"]
     for label, key in rows:
         first, last = summary.before.get(key), summary.metrics.get(key)
-        lines.append(f"{label:24} {'' if first is None else f'{first:8.3f}':>8} {'' if last is None else f'{last:8.3f}':>8}")
+        lines.append(
+            f"{label:24} {'' if first is None else f'{first:8.3f}':>8} {'' if last is None else f'{last:8.3f}':>8}"
+        )
     return "\n".join(lines)
 
 
-def rerun(config: DrmasConfig, store: Store, run_id: str, iteration: int, stage_name: str, cache_dir: Path | None = None) -> IterationResult:
+def rerun(
+    config: DrmasConfig, store: Store, run_id: str, iteration: int, stage_name: str, cache_dir: Path | None = None
+) -> IterationResult:
     """Recompute ``stage_name`` of a checkpointed iteration from its stored inputs; the stages
     after it in that iteration recompute only if their inputs changed (cache keys)."""
     experiment = config.experiment.name

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
+from drmas.analysis.report import History, run_history, series
 from drmas.config import DrmasConfig, load_config
 from drmas.infra.layout import run_path
-from drmas.analysis.report import History, run_history, series
 from drmas.infra.store import Store
 
 __all__ = ["ComparisonRun", "compare", "mismatch_reading", "spike", "write_comparison"]
@@ -65,9 +65,19 @@ def compare(
     first: str | None = None
     for seed in seeds:
         for mode in modes:
-            config = load_config(config_path, [*overrides, f"algorithm.advantage={mode}", f"experiment.seed={seed}", "diagnostics.per_agent_grad_norm=true"])
+            config = load_config(
+                config_path,
+                [
+                    *overrides,
+                    f"algorithm.advantage={mode}",
+                    f"experiment.seed={seed}",
+                    "diagnostics.per_agent_grad_norm=true",
+                ],
+            )
             run_id = f"{name}-{mode}-s{seed}"
-            config = open_run(config, store, run_id, resume=store.exists(f"{run_path(config.experiment.name, run_id)}/run"))
+            config = open_run(
+                config, store, run_id, resume=store.exists(f"{run_path(config.experiment.name, run_id)}/run")
+            )
             if first is not None:
                 _share_start(store, config.experiment.name, first, run_id)
             train(config, store, run_id, cache_dir=cache_dir, config_path=config_path)
@@ -90,7 +100,9 @@ def _share_start(store: Store, experiment: str, source_run: str, target_run: str
             continue
         with tempfile.TemporaryDirectory() as scratch:
             local = store.open(path).download(Path(scratch) / "copy")
-            with store.writer(f"{target_root}/{relative}", meta={"stage": relative.split("/")[0], "copied_from": store.uri(path)}) as out:
+            with store.writer(
+                f"{target_root}/{relative}", meta={"stage": relative.split("/")[0], "copied_from": store.uri(path)}
+            ) as out:
                 out.put_dir(local, "")
 
 
@@ -133,7 +145,15 @@ def _series(history: History, key: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _agents(runs: list[ComparisonRun]) -> list[str]:
-    return sorted({key.split("/")[1] for run in runs for _, m in run.history for key in m if key.startswith("agent/") and key.endswith("/reward_mean")})
+    return sorted(
+        {
+            key.split("/")[1]
+            for run in runs
+            for _, m in run.history
+            for key in m
+            if key.startswith("agent/") and key.endswith("/reward_mean")
+        }
+    )
 
 
 def _last(history: History, key: str) -> float:
@@ -177,9 +197,20 @@ def write_comparison(config: DrmasConfig, store: Store, name: str, runs: list[Co
         figures = []
         for stem, title, keys in (
             ("grad_norms", "gradient norm (before clipping)", [("", "grad_norm")]),
-            ("lemma", "global baseline vs Dr. MAS", [("measured A^2 ratio", "adv_sq_ratio"), ("Lemma 4.2 multiplier", "lemma_multiplier"), ("mean gap", "lemma_mean_gap"), ("variance ratio", "lemma_var_ratio")]),
+            (
+                "lemma",
+                "global baseline vs Dr. MAS",
+                [
+                    ("measured A^2 ratio", "adv_sq_ratio"),
+                    ("Lemma 4.2 multiplier", "lemma_multiplier"),
+                    ("mean gap", "lemma_mean_gap"),
+                    ("variance ratio", "lemma_var_ratio"),
+                ],
+            ),
         ):
-            fig, axes = plt.subplots(len(keys), len(agents), figsize=(4.5 * len(agents), 3.2 * len(keys)), squeeze=False)
+            fig, axes = plt.subplots(
+                len(keys), len(agents), figsize=(4.5 * len(agents), 3.2 * len(keys)), squeeze=False
+            )
             for row, (label, suffix) in enumerate(keys):
                 for column, agent in enumerate(agents):
                     axis = axes[row][column]
@@ -203,11 +234,22 @@ def write_comparison(config: DrmasConfig, store: Store, name: str, runs: list[Co
     return store.uri(path)
 
 
-def _markdown(config: DrmasConfig, name: str, runs: list[ComparisonRun], modes: list[str], agents: list[str], k: int, figures: list[str]) -> str:
+def _markdown(
+    config: DrmasConfig,
+    name: str,
+    runs: list[ComparisonRun],
+    modes: list[str],
+    agents: list[str],
+    k: int,
+    figures: list[str],
+) -> str:
     seeds = sorted({run.seed for run in runs})
 
     def values_of(agent: str, suffix: str, mode: str | None = None) -> np.ndarray:
-        return np.array([v for run in runs if mode in (None, run.mode) for v in _series(run.history, f"agent/{agent}/{suffix}")[1]], dtype=float)
+        return np.array(
+            [v for run in runs if mode in (None, run.mode) for v in _series(run.history, f"agent/{agent}/{suffix}")[1]],
+            dtype=float,
+        )
 
     def mean_of(agent: str, suffix: str, mode: str | None = None) -> float:
         values = values_of(agent, suffix, mode)
@@ -223,7 +265,8 @@ def _markdown(config: DrmasConfig, name: str, runs: list[ComparisonRun], modes: 
         f"Team: {', '.join(a.name for a in config.agents)} on `{config.task.orchestra_name}` "
         f"({len(config.worker_groups())} worker groups), {config.experiment.iterations} iterations, "
         f"seeds {', '.join(map(str, seeds))}; modes {', '.join(modes)}. Runs: "
-        + ", ".join(f"`{run.run_id}`" for run in runs) + f"; all start from the policies of `{runs[0].run_id}`.",
+        + ", ".join(f"`{run.run_id}`" for run in runs)
+        + f"; all start from the policies of `{runs[0].run_id}`.",
         "",
         "## What the global baseline does to each agent",
         "",
@@ -243,7 +286,15 @@ def _markdown(config: DrmasConfig, name: str, runs: list[ComparisonRun], modes: 
     for agent in agents:
         groups, flat = values_of(agent, "lemma_groups").sum(), values_of(agent, "lemma_flat_groups").sum()
         share = f"{flat / groups:.0%}" if groups else "n/a"
-        columns = ("calls", "reward_mean", "adv_sq_ratio", "lemma_multiplier", "lemma_multiplier_p95", "lemma_mean_gap", "lemma_var_ratio")
+        columns = (
+            "calls",
+            "reward_mean",
+            "adv_sq_ratio",
+            "lemma_multiplier",
+            "lemma_multiplier_p95",
+            "lemma_mean_gap",
+            "lemma_var_ratio",
+        )
         lines.append(f"| {agent} | " + " | ".join(cell(mean_of(agent, column)) for column in columns) + f" | {share} |")
     lines += ["", mismatch_reading({agent: mean_of(agent, "adv_sq_ratio") for agent in agents})]
     if {"grpo", "drmas"} <= set(modes):
@@ -282,11 +333,19 @@ def _markdown(config: DrmasConfig, name: str, runs: list[ComparisonRun], modes: 
             spikes = [spike(v.tolist()) for v in norms]
             largest = [float(np.nanmax(v)) if np.isfinite(v).any() else float("nan") for v in norms]
             medians = [float(np.nanmedian(v)) if np.isfinite(v).any() else float("nan") for v in norms]
-            lines.append(f"| {mode} | {agent} | {_mean_spread(spikes)} | {_mean_spread(largest)} | {_mean_spread(medians)} |")
+            lines.append(
+                f"| {mode} | {agent} | {_mean_spread(spikes)} | {_mean_spread(largest)} | {_mean_spread(medians)} |"
+            )
     lines += ["", f"| mode | eval avg@{k} | eval pass@{k} | skipped non-finite steps |", "|---|---|---|---|"]
     for mode in modes:
         mine = [r for r in runs if r.mode == mode]
-        skipped = sum(v for r in mine for _, m in r.history for key, v in m.items() if key.startswith("wg/") and key.endswith("/skipped"))
+        skipped = sum(
+            v
+            for r in mine
+            for _, m in r.history
+            for key, v in m.items()
+            if key.startswith("wg/") and key.endswith("/skipped")
+        )
         lines.append(
             f"| {mode} | {_mean_spread([_last(r.history, f'eval/avg_at_{k}') for r in mine])} "
             f"| {_mean_spread([_last(r.history, f'eval/pass_at_{k}') for r in mine])} | {int(skipped)} |"

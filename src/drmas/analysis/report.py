@@ -95,34 +95,56 @@ def write_report(config: DrmasConfig, history: History, out_dir: Path, summary_t
 
     def figure(name: str, panels: list[tuple[list[tuple[str, str]], str, str]]) -> None:
         fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-        drawn = [_panel(axis, history, keys, title, ylabel) for axis, (keys, title, ylabel) in zip(axes[0], panels, strict=True)]
+        drawn = [
+            _panel(axis, history, keys, title, ylabel)
+            for axis, (keys, title, ylabel) in zip(axes[0], panels, strict=True)
+        ]
         if any(drawn):
             fig.tight_layout()
             fig.savefig(out_dir / name, dpi=100)
             written.append(out_dir / name)
         plt.close(fig)
 
-    figure("reward.png", [
-        ([("mean", "reward/mean")] + [(a, f"agent/{a}/reward_mean") for a in agents], "training reward", "reward"),
-        ([(f"avg@{k}", f"eval/avg_at_{k}"), (f"pass@{k}", f"eval/pass_at_{k}")], "evaluation", "success"),
-    ])
+    figure(
+        "reward.png",
+        [
+            ([("mean", "reward/mean")] + [(a, f"agent/{a}/reward_mean") for a in agents], "training reward", "reward"),
+            ([(f"avg@{k}", f"eval/avg_at_{k}"), (f"pass@{k}", f"eval/pass_at_{k}")], "evaluation", "success"),
+        ],
+    )
     per_agent = _names(history, r"agent/([^/]+)/grad_norm")
     norms = [(a, f"agent/{a}/grad_norm") for a in per_agent] or [(g, f"wg/{g}/grad_norm") for g in groups]
-    figure("grad_norms.png", [
-        (norms, "gradient norm per " + ("agent" if per_agent else "worker group"), "norm before clipping"),
-        ([(g, f"wg/{g}/grad_norm_max") for g in groups], "largest step norm per worker group", "norm"),
-    ])
-    figure("advantages.png", [
-        ([(a, f"agent/{a}/adv_mean") for a in agents], "advantage mean per agent", "mean"),
-        ([(a, f"agent/{a}/adv_std") for a in agents], "advantage std per agent", "std"),
-    ])
-    figure("lemma.png", [
-        ([(f"{a} measured", f"agent/{a}/adv_sq_ratio") for a in agents]
-         + [(f"{a} Lemma 4.2", f"agent/{a}/lemma_multiplier") for a in agents],
-         "global baseline / Dr. MAS, advantage second moment", "ratio"),
-        ([(f"{a} mean gap", f"agent/{a}/lemma_mean_gap") for a in agents]
-         + [(f"{a} variance ratio", f"agent/{a}/lemma_var_ratio") for a in agents], "the lemma's terms, mean over prompt groups", "term"),
-    ])
+    figure(
+        "grad_norms.png",
+        [
+            (norms, "gradient norm per " + ("agent" if per_agent else "worker group"), "norm before clipping"),
+            ([(g, f"wg/{g}/grad_norm_max") for g in groups], "largest step norm per worker group", "norm"),
+        ],
+    )
+    figure(
+        "advantages.png",
+        [
+            ([(a, f"agent/{a}/adv_mean") for a in agents], "advantage mean per agent", "mean"),
+            ([(a, f"agent/{a}/adv_std") for a in agents], "advantage std per agent", "std"),
+        ],
+    )
+    figure(
+        "lemma.png",
+        [
+            (
+                [(f"{a} measured", f"agent/{a}/adv_sq_ratio") for a in agents]
+                + [(f"{a} Lemma 4.2", f"agent/{a}/lemma_multiplier") for a in agents],
+                "global baseline / Dr. MAS, advantage second moment",
+                "ratio",
+            ),
+            (
+                [(f"{a} mean gap", f"agent/{a}/lemma_mean_gap") for a in agents]
+                + [(f"{a} variance ratio", f"agent/{a}/lemma_var_ratio") for a in agents],
+                "the lemma's terms, mean over prompt groups",
+                "term",
+            ),
+        ],
+    )
     lines = [f"# drmas run report: {config.experiment.name}", ""]
     if summary_text:
         lines += ["```", summary_text, "```", ""]

@@ -26,8 +26,8 @@ from collections import OrderedDict
 from pathlib import Path
 
 from drmas.config import DrmasConfig, SamplingConfig
-from drmas.infra.store import Store
 from drmas.generation.workers import GenerationResult, PolicyNotLoaded, PolicyRef, WorkerGroupRuntime
+from drmas.infra.store import Store
 
 __all__ = ["ACTOR_RESTARTS", "RAY_ADDRESS", "PoolOnDemand", "RayPool", "WorkerGroupDied", "connect_ray"]
 
@@ -167,7 +167,6 @@ class RayPool:
 
         Loading makes a worker group resident, so the residency limit holds here too.
         """
-        import ray  # noqa: PLC0415
 
         missing = set(self.actors) - set(policies)
         if missing:
@@ -219,7 +218,13 @@ class RayPool:
         self.restarts += 1
         if self.restarts > ACTOR_RESTARTS:
             self._give_up(wg, method, error)
-        log.warning("worker group %s: its Ray actor died during %s; restarted (%d/%d), reloading its policy", wg, method, self.restarts, ACTOR_RESTARTS)
+        log.warning(
+            "worker group %s: its Ray actor died during %s; restarted (%d/%d), reloading its policy",
+            wg,
+            method,
+            self.restarts,
+            ACTOR_RESTARTS,
+        )
         return True
 
     def _give_up(self, wg: str, method: str, error: Exception) -> None:
@@ -267,7 +272,9 @@ class PoolOnDemand:
     def __call__(self):
         if self.pool is None:
             self.started_ray = connect_ray(self.config, self.cache_dir / "ray" if self.cache_dir else None)
-            self.pool = RayPool(self.config, self.store, cache_dir=self.cache_dir / "policies" if self.cache_dir else None)
+            self.pool = RayPool(
+                self.config, self.store, cache_dir=self.cache_dir / "policies" if self.cache_dir else None
+            )
         return self.pool
 
     def __enter__(self) -> PoolOnDemand:

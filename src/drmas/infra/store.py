@@ -265,9 +265,18 @@ class Store:
                 if not retrying or elapsed + pause > self.retry_window_s:
                     failure = self._explain(error, target)
                     if retrying:
-                        failure = StoreError(f"{failure} (gave up after {attempt} attempt{'s' * (attempt > 1)} in {elapsed:.1f} s)")
+                        failure = StoreError(
+                            f"{failure} (gave up after {attempt} attempt{'s' * (attempt > 1)} in {elapsed:.1f} s)"
+                        )
                     raise failure from None
-                log.warning("S3 at %s: %s failed (%s); attempt %d in %.1f s", self.endpoint, target, _curl_detail(str(error)), attempt + 1, pause)
+                log.warning(
+                    "S3 at %s: %s failed (%s); attempt %d in %.1f s",
+                    self.endpoint,
+                    target,
+                    _curl_detail(str(error)),
+                    attempt + 1,
+                    pause,
+                )
                 time.sleep(pause)
                 attempt += 1
 
@@ -283,7 +292,9 @@ class Store:
         """Whether a retry may succeed: any S3 failure but wrong keys, a missing bucket,
         or nothing listening at the endpoint when the store is opened."""
         text = str(error)
-        return self.is_s3 and not isinstance(error, NothingListening) and not any(m in text for m in PERMANENT_S3_ERRORS)
+        return (
+            self.is_s3 and not isinstance(error, NothingListening) and not any(m in text for m in PERMANENT_S3_ERRORS)
+        )
 
     def _explain(self, error: OSError, target: Any) -> StoreError:
         text = str(error)
@@ -292,8 +303,7 @@ class Store:
             return StoreError(_local_failure(error, target))
         if "ACCESS_DENIED" in text or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
             return StoreError(
-                f"S3 at {where} denied access to {self.root}: check AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY"
+                f"S3 at {where} denied access to {self.root}: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
             )
         if "NETWORK_CONNECTION" in text or "curlCode" in text or "timed out" in text.lower():
             return StoreError(f"cannot reach the S3 endpoint {where}: {_curl_detail(text)}")
@@ -307,9 +317,7 @@ class Store:
         bucket = self.base.split("/", 1)[0]
         info = self._call(self._info_unless_nothing_listens, bucket)
         if info.type == pafs.FileType.NotFound:
-            raise StoreError(
-                f"bucket {bucket!r} does not exist at {self.endpoint or 'AWS'}; create it first"
-            )
+            raise StoreError(f"bucket {bucket!r} does not exist at {self.endpoint or 'AWS'}; create it first")
 
 
 @dataclass

@@ -89,7 +89,9 @@ class _Call:
 
 def _git_sha() -> str:
     try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent)
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
+        )
         return done.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -157,7 +159,7 @@ def _never_raises(kind: str) -> Callable[[Callable[..., None]], Callable[..., No
         def guarded(self: Tracker, *args: Any, **kwargs: Any) -> None:
             try:
                 method(self, *args, **kwargs)
-            except Exception as error:  # noqa: BLE001 - tracking must never stop training
+            except Exception as error:
                 self._lose(kind, None, f"it could not be prepared: {_reason(error)}")
 
         return guarded
@@ -216,7 +218,9 @@ class Tracker:
             with _bounded_http():
                 created = self._open_run(run_id, store_root, config_path)
         except Exception as error:
-            raise TrackingUnavailable(f"cannot open the MLflow run at {_redacted(self.uri)}: {_reason(error)}") from error
+            raise TrackingUnavailable(
+                f"cannot open the MLflow run at {_redacted(self.uri)}: {_reason(error)}"
+            ) from error
         if created:
             self._log_params(config.flat_params())
 
@@ -224,9 +228,13 @@ class Tracker:
         """Find the run of ``run_id`` (a resumed run) or create it; True when created."""
         experiment = self.client.get_experiment_by_name(self.experiment_name)
         self.experiment_id = (
-            experiment.experiment_id if experiment else self.client.create_experiment(self.experiment_name, artifact_location=_artifact_location(self.uri))
+            experiment.experiment_id
+            if experiment
+            else self.client.create_experiment(self.experiment_name, artifact_location=_artifact_location(self.uri))
         )
-        found = self.client.search_runs([self.experiment_id], filter_string=f"tags.`drmas.run_id` = '{run_id}'", max_results=1)
+        found = self.client.search_runs(
+            [self.experiment_id], filter_string=f"tags.`drmas.run_id` = '{run_id}'", max_results=1
+        )
         if found:
             self.mlflow_run_id = found[0].info.run_id
             return False
@@ -268,7 +276,7 @@ class Tracker:
             try:
                 with _bounded_http():
                     call.send(self.client)
-            except Exception as error:  # noqa: BLE001 - tracking must never stop training
+            except Exception as error:
                 if _server_unavailable(error):
                     self._server_down(error)
                     return
@@ -288,10 +296,17 @@ class Tracker:
             self.outages += 1
             log.warning(
                 "tracking: MLflow at %s is unreachable (%s); training continues, calls are kept (up to %d) and sent when it is back",
-                _redacted(self.uri), _reason(error), self.max_pending,
+                _redacted(self.uri),
+                _reason(error),
+                self.max_pending,
             )
         else:
-            log.warning("tracking: MLflow still unreachable after %.0f s (%d calls waiting): %s", now - self._down_since, len(self._pending), _reason(error))
+            log.warning(
+                "tracking: MLflow still unreachable after %.0f s (%d calls waiting): %s",
+                now - self._down_since,
+                len(self._pending),
+                _reason(error),
+            )
         self._retry_at = now + self._cooldown_s
         self._cooldown_s = min(2 * self._cooldown_s, MAX_COOLDOWN_S)
 
@@ -303,7 +318,11 @@ class Tracker:
         self.outage_s += lasted
         self._down_since = None
         self._cooldown_s = self._first_cooldown_s
-        log.warning("tracking: MLflow is reachable again after %.0f s; %d held-back call(s) delivered in all", lasted, self.delivered_late)
+        log.warning(
+            "tracking: MLflow is reachable again after %.0f s; %d held-back call(s) delivered in all",
+            lasted,
+            self.delivered_late,
+        )
 
     def _lose(self, kind: str, step: int | None, why: str) -> None:
         self._lost.append((kind, step))
@@ -332,13 +351,20 @@ class Tracker:
         if self.outages:
             ongoing = time.monotonic() - self._down_since if self._down_since is not None else 0.0
             still = ", still unreachable at the last try" if self._down_since is not None else ""
-            parts.append(f"MLflow at {_redacted(self.uri)} was unreachable {self.outages} time(s), {self.outage_s + ongoing:.0f} s in all{still}")
+            parts.append(
+                f"MLflow at {_redacted(self.uri)} was unreachable {self.outages} time(s), {self.outage_s + ongoing:.0f} s in all{still}"
+            )
         if self.delivered_late:
-            parts.append(f"{self.delivered_late} held-back call(s) were delivered late, with their original steps and times")
+            parts.append(
+                f"{self.delivered_late} held-back call(s) were delivered late, with their original steps and times"
+            )
         if self.gaps:
             missing = self.undelivered()
             steps = [step for kind, step in self._missing() if kind == "metrics" and step is not None]
-            kinds = ", ".join(f"{kind} {count}" + (f" (steps {_ranges(steps)})" if kind == "metrics" and steps else "") for kind, count in missing.items())
+            kinds = ", ".join(
+                f"{kind} {count}" + (f" (steps {_ranges(steps)})" if kind == "metrics" and steps else "")
+                for kind, count in missing.items()
+            )
             unended = " (MLflow still shows the run as running)" if "status" in missing else ""
             parts.append(f"calls not in MLflow: {kinds}{unended}; the store holds every result")
         else:
@@ -354,7 +380,9 @@ class Tracker:
         items = [Param(key, value[:6000]) for key, value in sorted(params.items())]
         for start in range(0, len(items), 100):
             batch = items[start : start + 100]
-            self._submit(_Call("params", lambda client, batch=batch: client.log_batch(self.mlflow_run_id, params=batch)))
+            self._submit(
+                _Call("params", lambda client, batch=batch: client.log_batch(self.mlflow_run_id, params=batch))
+            )
 
     @_never_raises("metrics")
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -384,7 +412,13 @@ class Tracker:
     @_never_raises("episodes")
     def log_episodes(self, iteration: int, rows: dict[str, list[Any]]) -> None:
         """Sample agent calls of an iteration as an MLflow table (shown in the UI)."""
-        self._submit(_Call("episodes", lambda client: client.log_table(self.mlflow_run_id, rows, f"episodes/iter-{iteration:06d}.json"), step=iteration + 1))
+        self._submit(
+            _Call(
+                "episodes",
+                lambda client: client.log_table(self.mlflow_run_id, rows, f"episodes/iter-{iteration:06d}.json"),
+                step=iteration + 1,
+            )
+        )
 
     @_never_raises("datasets")
     def log_dataset(self, name: str, source: str, digest: str, context: str, rows: int | None = None) -> None:
@@ -425,11 +459,15 @@ class Tracker:
 
         name = f"{self.experiment_name}-{wg}"
         try:
-            client.create_registered_model(name, description=f"drmas worker group {wg} of experiment {self.experiment_name}")
+            client.create_registered_model(
+                name, description=f"drmas worker group {wg} of experiment {self.experiment_name}"
+            )
         except MlflowException as error:
             if error.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
-        client.create_model_version(name, source=uri, run_id=self.mlflow_run_id, tags={"drmas.wg": wg, "drmas.iteration": str(iteration)})
+        client.create_model_version(
+            name, source=uri, run_id=self.mlflow_run_id, tags={"drmas.wg": wg, "drmas.iteration": str(iteration)}
+        )
 
     def finish(self, status: str = "FINISHED") -> None:
         """End the MLflow run after one last try at everything waiting (whatever the

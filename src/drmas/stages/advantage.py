@@ -43,13 +43,19 @@ def add_advantages(trajectories: pa.Table, config: DrmasConfig) -> tuple[pa.Tabl
     }
     advantages = by_mode[algorithm.advantage]
     uid = pc.cast(trajectories["uid"], pa.string())
-    group = uid if algorithm.advantage == "grpo" else pc.binary_join_element_wise(uid, pc.cast(trajectories["agent"], pa.string()), "/")
+    group = (
+        uid
+        if algorithm.advantage == "grpo"
+        else pc.binary_join_element_wise(uid, pc.cast(trajectories["agent"], pa.string()), "/")
+    )
     batch = trajectories.append_column("score", pa.array(score, pa.float32()))
     batch = batch.append_column("group_id", group).append_column("advantage", pa.array(advantages))
     return batch, batch_metrics(score, by_mode, algorithm.advantage, trajectories)
 
 
-def batch_metrics(score: np.ndarray, by_mode: dict[str, np.ndarray], mode: str, trajectories: pa.Table) -> dict[str, float]:
+def batch_metrics(
+    score: np.ndarray, by_mode: dict[str, np.ndarray], mode: str, trajectories: pa.Table
+) -> dict[str, float]:
     """Team and per-agent statistics, named as in docs/architecture.md §8: per agent, its
     rewards, its advantages under the training ``mode``, the Lemma 4.2 terms per prompt
     group and the measured second-moment ratio of the global baseline over Dr. MAS."""
@@ -89,7 +95,9 @@ def batch_metrics(score: np.ndarray, by_mode: dict[str, np.ndarray], mode: str, 
     return metrics
 
 
-def advantage(config: DrmasConfig, store: Store, run_id: str, iteration: int, overwrite: bool = False, cache_key: str = "") -> StageResult:
+def advantage(
+    config: DrmasConfig, store: Store, run_id: str, iteration: int, overwrite: bool = False, cache_key: str = ""
+) -> StageResult:
     """Read the iteration's trajectories, write its batch (manifest last)."""
     started = time.perf_counter()
     experiment = config.experiment.name
@@ -98,7 +106,13 @@ def advantage(config: DrmasConfig, store: Store, run_id: str, iteration: int, ov
     batch, metrics = add_advantages(trajectories, config)
     metrics["time/advantage"] = time.perf_counter() - started
     path = stage_path(experiment, run_id, iteration, "advantage")
-    meta = {"stage": "advantage", "iteration": iteration, "input": source.uri, "mode": config.algorithm.advantage, "cache_key": cache_key}
+    meta = {
+        "stage": "advantage",
+        "iteration": iteration,
+        "input": source.uri,
+        "mode": config.algorithm.advantage,
+        "cache_key": cache_key,
+    }
     with store.writer(path, overwrite=overwrite, meta=meta) as out:
         out.write_table("batch.parquet", batch, BATCH_SCHEMA)
         out.write_json("metrics.json", metrics)

@@ -33,7 +33,15 @@ class ResumePoint:
     optims: dict[str, PolicyRef | None]
 
 
-def checkpoint(config: DrmasConfig, store: Store, run_id: str, iteration: int, metrics: dict[str, float], overwrite: bool = False, cache_key: str = "") -> StageResult:
+def checkpoint(
+    config: DrmasConfig,
+    store: Store,
+    run_id: str,
+    iteration: int,
+    metrics: dict[str, float],
+    overwrite: bool = False,
+    cache_key: str = "",
+) -> StageResult:
     """Commit the iteration: every worker group's policy and optimizer state, verified."""
     experiment = config.experiment.name
     groups = {}
@@ -47,7 +55,9 @@ def checkpoint(config: DrmasConfig, store: Store, run_id: str, iteration: int, m
             "optim_manifest": store.fingerprint(optim),
         }
     path = stage_path(experiment, run_id, iteration, "checkpoint")
-    with store.writer(path, overwrite=overwrite, meta={"stage": "checkpoint", "iteration": iteration, "cache_key": cache_key}) as out:
+    with store.writer(
+        path, overwrite=overwrite, meta={"stage": "checkpoint", "iteration": iteration, "cache_key": cache_key}
+    ) as out:
         out.write_json("checkpoint.json", {"iteration": iteration, "worker_groups": groups})
         out.write_json("metrics.json", metrics)
     return StageResult(path, metrics)
@@ -96,7 +106,14 @@ def read_checkpoint(config: DrmasConfig, store: Store, path: str) -> ResumePoint
     return ResumePoint(record["iteration"] + 1, policies, optims)
 
 
-ARCHITECTURE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+ARCHITECTURE_KEYS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+)
 """The fields of a policy's config.json that say which model it is."""
 
 
@@ -108,7 +125,9 @@ def check_policy(group: WorkerGroup, store: Store, policy: PolicyRef) -> None:
     they are is known only once downloaded."""
     artifact = store.open(policy.artifact)
     prefix = policy.prefix.rstrip("/") + "/" if policy.prefix else ""
-    names = [name[len(prefix) :] for name in artifact.files if name.startswith(prefix) and "/" not in name[len(prefix) :]]
+    names = [
+        name[len(prefix) :] for name in artifact.files if name.startswith(prefix) and "/" not in name[len(prefix) :]
+    ]
     where = store.uri(policy.artifact, policy.prefix or None)
     if problem := weights_problem(names):
         raise PolicyError(f"{where}: {problem}")
@@ -116,7 +135,9 @@ def check_policy(group: WorkerGroup, store: Store, policy: PolicyRef) -> None:
     if expected is None:
         return
     found = artifact.read_json(f"{prefix}config.json")
-    differences = [f"{key} {found.get(key)!r} (expected {value!r})" for key, value in expected.items() if found.get(key) != value]
+    differences = [
+        f"{key} {found.get(key)!r} (expected {value!r})" for key, value in expected.items() if found.get(key) != value
+    ]
     if differences:
         raise PolicyError(
             f"{where}: the checkpoint of another model: {', '.join(differences)} "
@@ -128,7 +149,14 @@ def _expected_architecture(group: WorkerGroup) -> dict[str, object] | None:
     """The architecture fields a policy of this worker group has, where the config says."""
     spec = group.spec
     if spec is not None and spec.source == "scratch":
-        values = (spec.architecture, spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.intermediate_size)
+        values = (
+            spec.architecture,
+            spec.hidden_size,
+            spec.num_layers,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.intermediate_size,
+        )
         return dict(zip(ARCHITECTURE_KEYS, values, strict=True))
     source = Path(spec.source if spec is not None else group.model).expanduser()
     if not (source / "config.json").is_file():

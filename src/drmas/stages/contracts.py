@@ -27,8 +27,8 @@ from typing import Any, ClassVar
 from drmas import __version__
 from drmas.config import WORKER_GROUP_FIELDS, DrmasConfig
 from drmas.infra.layout import PolicyRef, optim_path, policy_path, stage_path
-from drmas.stages.io import METRICS_FILE
 from drmas.infra.store import Store
+from drmas.stages.io import METRICS_FILE
 
 __all__ = [
     "CONTRACTS",
@@ -141,7 +141,9 @@ class UpdateContract(StageContract):
     optim: PolicyRef | None
     reference: PolicyRef
     name: ClassVar[str] = "update"
-    fields: ClassVar[tuple[str, ...]] = _fields("experiment.seed", "algorithm", "train", "diagnostics", "rollout.sampling", *WORKER_GROUPS)
+    fields: ClassVar[tuple[str, ...]] = _fields(
+        "experiment.seed", "algorithm", "train", "diagnostics", "rollout.sampling", *WORKER_GROUPS
+    )
 
     def output(self, config: DrmasConfig) -> str:
         """The new policy; its manifest carries the key (the optimizer state is beside it:
@@ -153,7 +155,10 @@ class UpdateContract(StageContract):
         return optim_path(config.experiment.name, self.run_id, self.iteration, self.wg)
 
     def inputs(self, config: DrmasConfig) -> dict[str, str]:
-        inputs = {"batch": stage_path(config.experiment.name, self.run_id, self.iteration, "advantage"), "policy": self.policy.artifact}
+        inputs = {
+            "batch": stage_path(config.experiment.name, self.run_id, self.iteration, "advantage"),
+            "policy": self.policy.artifact,
+        }
         if self.optim is not None:
             inputs["optim"] = self.optim.artifact
         if config.algorithm.kl_coef:
@@ -212,7 +217,8 @@ class CheckpointContract(StageContract):
 
 
 CONTRACTS: dict[str, type[StageContract]] = {
-    contract.name: contract for contract in (RolloutContract, AdvantageContract, UpdateContract, EvaluateContract, CheckpointContract)
+    contract.name: contract
+    for contract in (RolloutContract, AdvantageContract, UpdateContract, EvaluateContract, CheckpointContract)
 }
 """Stage name -> its contract."""
 
@@ -232,7 +238,9 @@ def cache_key(config: DrmasConfig, store: Store, stage: StageContract) -> str:
         "stage": stage.name,
         "config": {field: _select(resolved, field) for field in stage.fields},
         # metrics.json reports timings: it is not an input, and would make every key new.
-        "inputs": {name: store.fingerprint(path, ignore=(METRICS_FILE,)) for name, path in sorted(stage.inputs(config).items())},
+        "inputs": {
+            name: store.fingerprint(path, ignore=(METRICS_FILE,)) for name, path in sorted(stage.inputs(config).items())
+        },
         "values": stage.values(),
         "code": __version__,
     }

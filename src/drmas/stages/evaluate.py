@@ -15,13 +15,13 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from drmas.stages.checkpoint import check_policy
 from drmas.config import DrmasConfig
-from drmas.team.episodes import Episode
-from drmas.infra.layout import StageResult
-from drmas.stages.rollout import GeneratePool, agent_call_metrics, build_team, play, task_questions, task_tools
-from drmas.infra.store import Store
 from drmas.generation.workers import PolicyRef
+from drmas.infra.layout import StageResult
+from drmas.infra.store import Store
+from drmas.stages.checkpoint import check_policy
+from drmas.stages.rollout import GeneratePool, agent_call_metrics, build_team, play, task_questions, task_tools
+from drmas.team.episodes import Episode
 
 __all__ = ["evaluate", "success_at_k"]
 

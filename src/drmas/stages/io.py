@@ -21,8 +21,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from drmas.infra.caching import is_cached
 from drmas.config import DrmasConfig
+from drmas.infra.caching import is_cached
 from drmas.infra.store import Store
 
 __all__ = [
@@ -170,4 +170,6 @@ def publish_metrics(values: Mapping[str, float], metrics: MetricsLike) -> None:
         if math.isfinite(value):
             metrics.log_metric(name, float(value))
     with open(metrics.path, "w") as handle:
-        json.dump({name: value if math.isfinite(value) else str(value) for name, value in values.items()}, handle, indent=2)
+        json.dump(
+            {name: value if math.isfinite(value) else str(value) for name, value in values.items()}, handle, indent=2
+        )

@@ -16,13 +16,12 @@ import tempfile
 from pathlib import Path
 
 from drmas.config import DrmasConfig, WorkerGroup
-from drmas.team.episodes import Episode
-from drmas.models import build_scratch_policy, chat_turn, load_model, load_tokenizer
-from drmas.registry import load_orchestra
+from drmas.generation.workers import PolicyRef
 from drmas.infra.layout import init_policy_path
 from drmas.infra.store import Store
-from drmas.registry import task_for
-from drmas.generation.workers import PolicyRef
+from drmas.models import build_scratch_policy, chat_turn, load_model, load_tokenizer
+from drmas.registry import load_orchestra, task_for
+from drmas.team.episodes import Episode
 
 __all__ = ["init_policies", "tokenizer_corpus"]
 

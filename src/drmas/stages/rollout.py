@@ -19,18 +19,25 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from drmas.team.agents import Parsed
 from drmas.config import DrmasConfig, SamplingConfig
-from drmas.team.episodes import Call, Episode, episodes_to_table
-from drmas.registry import load_orchestra
-from drmas.infra.schema import TRAJECTORY_SCHEMA
-from drmas.infra.layout import StageResult, stage_path
-from drmas.infra.store import Store
-from drmas.tasks import Question, Split, Tools
-from drmas.registry import task_for
 from drmas.generation.workers import GenerationResult, PolicyRef
+from drmas.infra.layout import StageResult, stage_path
+from drmas.infra.schema import TRAJECTORY_SCHEMA
+from drmas.infra.store import Store
+from drmas.registry import load_orchestra, task_for
+from drmas.tasks import Question, Split, Tools
+from drmas.team.agents import Parsed
+from drmas.team.episodes import Call, Episode, episodes_to_table
 
-__all__ = ["GeneratePool", "TeamOnPool", "agent_call_metrics", "draw_questions", "rollout", "task_questions", "task_tools"]
+__all__ = [
+    "GeneratePool",
+    "TeamOnPool",
+    "agent_call_metrics",
+    "draw_questions",
+    "rollout",
+    "task_questions",
+    "task_tools",
+]
 
 
 class GeneratePool(Protocol):
@@ -156,7 +163,9 @@ def rollout(
     seconds = time.perf_counter() - started
     metrics = rollout_metrics(episodes, team, seconds)
     path = stage_path(config.experiment.name, run_id, iteration, "rollout")
-    with store.writer(path, overwrite=overwrite, meta={"stage": "rollout", "iteration": iteration, "cache_key": cache_key}) as out:
+    with store.writer(
+        path, overwrite=overwrite, meta={"stage": "rollout", "iteration": iteration, "cache_key": cache_key}
+    ) as out:
         out.write_table("trajectories.parquet", table, TRAJECTORY_SCHEMA)
         out.write_json("metrics.json", metrics)
     return StageResult(path, metrics)

@@ -84,7 +84,9 @@ def update(
         else:  # the first update: its RNG (saved with the state) must not depend on the process's past
             torch.manual_seed(zlib.crc32(f"{config.experiment.seed}/{wg}".encode()))
         ref_model = _reference(config, store, reference, Path(scratch), dtype)
-        metrics = train_worker_group(config, group, engine, model, ref_model, rows, tokenizer.pad_token_id, iteration, rank, world)
+        metrics = train_worker_group(
+            config, group, engine, model, ref_model, rows, tokenizer.pad_token_id, iteration, rank, world
+        )
         metrics[f"wg/{wg}/time"] = time.perf_counter() - started
         metrics[f"wg/{wg}/tokens_per_s"] = metrics[f"wg/{wg}/tokens"] / max(metrics[f"wg/{wg}/time"], 1e-9)
         out_policy = policy_path(experiment, run_id, iteration, wg)

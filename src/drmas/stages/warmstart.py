@@ -33,13 +33,13 @@ import torch
 from tqdm.auto import tqdm
 
 from drmas.config import DrmasConfig
-from drmas.infra.layout import run_path
-from drmas.models import load_model, load_tokenizer
-from drmas.infra.store import Store
-from drmas.tasks import Demonstrations
-from drmas.registry import task_for
-from drmas.training.batching import collate, token_logprobs
 from drmas.generation.workers import PolicyRef, truncate_prompt
+from drmas.infra.layout import run_path
+from drmas.infra.store import Store
+from drmas.models import load_model, load_tokenizer
+from drmas.registry import task_for
+from drmas.tasks import Demonstrations
+from drmas.training.batching import collate, token_logprobs
 
 __all__ = ["warmstart", "warmstart_path"]
 
@@ -63,7 +63,9 @@ def warmstart(config: DrmasConfig, store: Store, run_id: str, init: dict[str, Po
         result[group.name] = PolicyRef(path)
         if not store.exists(path):
             pairs = [pair for agent in group.agents for pair in demos.get(agent, [])]
-            todo.append((config.to_json(), store.settings().model_dump(), group.name, index, init[group.name], path, pairs))
+            todo.append(
+                (config.to_json(), store.settings().model_dump(), group.name, index, init[group.name], path, pairs)
+            )
     if len(todo) == 1:
         _warm_one(*todo[0], threads=torch.get_num_threads())
     elif todo:
@@ -80,7 +82,16 @@ def _demonstrations(config: DrmasConfig, store: Store) -> Demonstrations:
     return task.demonstrations(config, task.questions(config, "train"), task.tools(config, store), rng)
 
 
-def _warm_one(config_json: str, store_settings: dict, wg: str, index: int, init: PolicyRef, path: str, pairs: list[tuple[str, str]], threads: int) -> None:
+def _warm_one(
+    config_json: str,
+    store_settings: dict,
+    wg: str,
+    index: int,
+    init: PolicyRef,
+    path: str,
+    pairs: list[tuple[str, str]],
+    threads: int,
+) -> None:
     """Fine-tune one worker group and write its policy artifact (manifest last)."""
     from drmas.config import StoreConfig  # noqa: PLC0415
 
@@ -108,19 +119,40 @@ def _by_length(rows: list[dict], parts: int) -> list[list[dict]]:
     return [ordered[start : start + size] for start in range(0, len(ordered), size)]
 
 
-def _fine_tune(config: DrmasConfig, folder: Path, pairs: list[tuple[str, str]], rng: np.random.Generator, out: Path, label: str) -> dict[str, float]:
+def _fine_tune(
+    config: DrmasConfig, folder: Path, pairs: list[tuple[str, str]], rng: np.random.Generator, out: Path, label: str
+) -> dict[str, float]:
     """Cross-entropy on response tokens, AdamW with cosine decay, fixed steps."""
     warm = config.warmstart
     tokenizer, model = load_tokenizer(folder), load_model(folder)
     model.train()
     rows = []
     for prompt, response in pairs:
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False, **config.worker_group(label).chat_template_kwargs)
-        prompt_ids = truncate_prompt(tokenizer(chat, add_special_tokens=False)["input_ids"], config.rollout.max_prompt_tokens, config.rollout.truncation)
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            tokenize=False,
+            **config.worker_group(label).chat_template_kwargs,
+        )
+        prompt_ids = truncate_prompt(
+            tokenizer(chat, add_special_tokens=False)["input_ids"],
+            config.rollout.max_prompt_tokens,
+            config.rollout.truncation,
+        )
         response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append({"prompt_ids": prompt_ids, "response_ids": response_ids, "rollout_logprobs": [0.0] * len(response_ids), "advantage": 0.0, "agent": ""})
+        rows.append(
+            {
+                "prompt_ids": prompt_ids,
+                "response_ids": response_ids,
+                "rollout_logprobs": [0.0] * len(response_ids),
+                "advantage": 0.0,
+                "agent": "",
+            }
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=warm.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, warm.steps) / warm.steps)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, warm.steps) / warm.steps))
+    )
     started, losses = time.perf_counter(), []
     for _ in tqdm(range(warm.steps), desc=f"warm start {label}", unit="step", leave=False, disable=None):
         drawn = [rows[i] for i in rng.integers(0, len(rows), size=warm.batch_size)]
@@ -140,4 +172,8 @@ def _fine_tune(config: DrmasConfig, folder: Path, pairs: list[tuple[str, str]], 
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     tail = losses[-max(1, len(losses) // 10) :]
-    return {"warmstart/loss": float(np.mean(tail)), "warmstart/seconds": time.perf_counter() - started, "warmstart/demonstrations": float(len(rows))}
+    return {
+        "warmstart/loss": float(np.mean(tail)),
+        "warmstart/seconds": time.perf_counter() - started,
+        "warmstart/demonstrations": float(len(rows)),
+    }

@@ -35,7 +35,6 @@ class DataError(ValueError):
     """Bad input data; the message names the file, and the row or column, and the problem."""
 
 
-
 @runtime_checkable
 class Task(Protocol):
     """One task. Instantiated once, without arguments: it holds no state of its own."""
@@ -59,7 +58,9 @@ class Task(Protocol):
         if none. A scratch tokenizer learns them; ``drmas`` reads them before a run starts,
         so that a bad corpus file fails early."""
 
-    def demonstrations(self, config: DrmasConfig, questions: list[Question], tools: Tools, rng: np.random.Generator) -> Demonstrations:
+    def demonstrations(
+        self, config: DrmasConfig, questions: list[Question], tools: Tools, rng: np.random.Generator
+    ) -> Demonstrations:
         """(prompt, response) pairs per agent, for the warm start; DataError for a question
         it has no demonstration of."""
 

@@ -74,7 +74,9 @@ def _text(path: Path, data: bytes, offset: int, line: int) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
         bad_line = line + data[: error.start].count(b"\n")
-        raise DataError(f"{path}: not UTF-8 text (bad byte at offset {offset + error.start}) on line {bad_line}") from None
+        raise DataError(
+            f"{path}: not UTF-8 text (bad byte at offset {offset + error.start}) on line {bad_line}"
+        ) from None
 
 
 def _json_file(path: Path) -> list[tuple[str, dict[str, Any]]]:
@@ -178,7 +180,9 @@ def read_questions(spec: str, data: DataConfig, gold_answers: Callable[[Any], tu
         raw_question = field_value(row, data.question_field)
         question = _question_text(raw_question)
         if not question:
-            raise DataError(f"{path}: {label}: empty or missing question ({data.question_field!r}{_not_text(raw_question)})")
+            raise DataError(
+                f"{path}: {label}: empty or missing question ({data.question_field!r}{_not_text(raw_question)})"
+            )
         answers = gold_answers(field_value(row, data.answer_field))
         if not answers:
             raise DataError(f"{path}: {label}: missing or empty answer ({data.answer_field!r})")

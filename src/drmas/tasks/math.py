@@ -24,17 +24,28 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from drmas.config import TaskConfig
+from drmas.tasks import DataError, Demonstrations, Question, Split, Tools
+from drmas.tasks.files import read_questions
 from drmas.team.agents import MathVerifierAgent, SolverAgent, extract_boxed, verifier_context
 from drmas.team.episodes import Episode
 from drmas.team.orchestras import Team, verdict_passes
-from drmas.tasks import DataError, Demonstrations, Question, Split, Tools
-from drmas.tasks.files import read_questions
 
 if TYPE_CHECKING:
     from drmas.config import DataConfig, DrmasConfig
     from drmas.infra.store import Store
 
-__all__ = ["MathOrchestra", "MathTask", "SoloOrchestra", "answers_match", "column_working", "generate_arithmetic", "load_math_questions", "math_demonstrations", "math_reward", "normalize_answer"]
+__all__ = [
+    "MathOrchestra",
+    "MathTask",
+    "SoloOrchestra",
+    "answers_match",
+    "column_working",
+    "generate_arithmetic",
+    "load_math_questions",
+    "math_demonstrations",
+    "math_reward",
+    "normalize_answer",
+]
 
 # --------------------------------------------------------------------------------------
 # Normalisation and equivalence
@@ -242,9 +253,7 @@ def _even_quotas(count: int, sizes: list[int]) -> list[int]:
     return quotas
 
 
-def generate_arithmetic(
-    count: int, split: Literal["train", "eval"], seed: int, max_digits: int = 2
-) -> list[Question]:
+def generate_arithmetic(count: int, split: Literal["train", "eval"], seed: int, max_digits: int = 2) -> list[Question]:
     """``count`` distinct problems such as "What is 37 + 48?", deterministic given the seed.
 
     Difficulty levels are (digits, operation) for 1..``max_digits`` digits and + or -; the
@@ -271,7 +280,7 @@ def generate_arithmetic(
     quotas = _even_quotas(count, [len(pool) for pool in pools])
     chosen = [
         (digits, op, int(pool[row, 0]), int(pool[row, 1]))
-        for (digits, op), pool, quota in zip(levels, pools, quotas)
+        for (digits, op), pool, quota in zip(levels, pools, quotas, strict=True)
         for row in rng.sample(range(len(pool)), quota)
     ]
     rng.shuffle(chosen)
@@ -318,9 +327,7 @@ def _gold_answers(value: Any) -> tuple[str, ...]:
     return answers if answers and all(answers) else ()
 
 
-def load_math_questions(
-    spec: str, split: Literal["train", "eval"], data: DataConfig, seed: int
-) -> list[Question]:
+def load_math_questions(spec: str, split: Literal["train", "eval"], data: DataConfig, seed: int) -> list[Question]:
     """The questions of ``data.train`` or ``data.eval``, in file order.
 
     ``spec`` is ``generated:arithmetic`` (its ``split`` part, sized by
@@ -386,11 +393,17 @@ def math_demonstrations(questions: list[Question], config: DrmasConfig, rng: np.
     for question in questions:
         match = ARITHMETIC.match(question.question)
         if match is None:
-            raise DataError(f"warm start: no demonstration for {question.question!r} (only generated:arithmetic has them)")
+            raise DataError(
+                f"warm start: no demonstration for {question.question!r} (only generated:arithmetic has them)"
+            )
         a, op, b = int(match.group(1)), match.group(2), int(match.group(3))
         right = column_working(a, op, b)
         wrong_value = (a + b if op == "+" else a - b) + int(rng.choice([-10, -1, 1, 10]))
-        attempt = right if rng.random() >= warm.wrong_fraction else right.rsplit("\\boxed", 1)[0] + f"\\boxed{{{wrong_value}}}"
+        attempt = (
+            right
+            if rng.random() >= warm.wrong_fraction
+            else right.rsplit("\\boxed", 1)[0] + f"\\boxed{{{wrong_value}}}"
+        )
         episode = Episode("u", "t", 0, question)
         demos["solver"].append((solver.prompt(episode, 1), attempt))
         episode.team_context.append(f"Solver: {attempt}")
@@ -425,7 +438,9 @@ class MathTask:
     def corpus(self, config: DrmasConfig) -> list[str]:
         return []
 
-    def demonstrations(self, config: DrmasConfig, questions: list[Question], tools: Tools, rng: np.random.Generator) -> Demonstrations:
+    def demonstrations(
+        self, config: DrmasConfig, questions: list[Question], tools: Tools, rng: np.random.Generator
+    ) -> Demonstrations:
         return math_demonstrations(questions, config, rng)
 
     def reward(self, final_answer: str | None, question: Question) -> float:

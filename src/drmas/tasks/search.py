@@ -36,17 +36,33 @@ import numpy as np
 from bm25s.stopwords import STOPWORDS_EN
 
 from drmas.config import TaskConfig
-from drmas.team.agents import AnswerAgent, RouterAgent, SearchAgent, verifier_context
-from drmas.team.episodes import Episode
-from drmas.team.orchestras import Team, verdict_passes
 from drmas.infra.store import Artifact, ArtifactExists, ArtifactWriter, CorruptArtifact, Store
 from drmas.tasks import DataError, Demonstrations, Question, Split, Tools
 from drmas.tasks.files import local_file, read_jsonl, read_questions
+from drmas.team.agents import AnswerAgent, RouterAgent, SearchAgent, verifier_context
+from drmas.team.episodes import Episode
+from drmas.team.orchestras import Team, verdict_passes
 
 if TYPE_CHECKING:
     from drmas.config import DataConfig, DrmasConfig
 
-__all__ = ["Passage", "Retriever", "SearchOrchestra", "SearchTask", "cached_retriever", "corpus_for", "demonstration_queries", "exact_match", "format_passages", "generate_fact_world", "generated_facts", "load_corpus", "load_qa", "normalize_answer", "search_demonstrations"]
+__all__ = [
+    "Passage",
+    "Retriever",
+    "SearchOrchestra",
+    "SearchTask",
+    "cached_retriever",
+    "corpus_for",
+    "demonstration_queries",
+    "exact_match",
+    "format_passages",
+    "generate_fact_world",
+    "generated_facts",
+    "load_corpus",
+    "load_qa",
+    "normalize_answer",
+    "search_demonstrations",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +97,28 @@ class Passage:
 # --------------------------------------------------------------------------------------
 
 _ONSETS = (
-    "b", "br", "d", "dr", "f", "g", "gr", "k", "kr", "l", "m", "n",
-    "p", "qu", "r", "s", "sh", "st", "t", "th", "v", "z",
+    "b",
+    "br",
+    "d",
+    "dr",
+    "f",
+    "g",
+    "gr",
+    "k",
+    "kr",
+    "l",
+    "m",
+    "n",
+    "p",
+    "qu",
+    "r",
+    "s",
+    "sh",
+    "st",
+    "t",
+    "th",
+    "v",
+    "z",
 )
 _VOWELS = ("a", "e", "i", "o", "u")
 _CODAS = ("", "", "n", "r", "l", "s")
@@ -123,8 +159,7 @@ class _Namer:
     def draw(self, endings: Sequence[str]) -> str:
         while True:
             root = "".join(
-                self.rng.choice(_ONSETS) + self.rng.choice(_VOWELS) + self.rng.choice(_CODAS)
-                for _ in range(2)
+                self.rng.choice(_ONSETS) + self.rng.choice(_VOWELS) + self.rng.choice(_CODAS) for _ in range(2)
             )
             name = (root + self.rng.choice(endings)).capitalize()
             if name.lower() not in self.used:
@@ -192,10 +227,7 @@ def _questions(country: _Country) -> list[Question]:
             str(c.town_founder_born),
         ),
     ]
-    return [
-        Question(f"facts-{c.index:05d}-{kind}", text, (answer,), source)
-        for kind, source, text, answer in items
-    ]
+    return [Question(f"facts-{c.index:05d}-{kind}", text, (answer,), source) for kind, source, text, answer in items]
 
 
 def generate_fact_world(
@@ -230,9 +262,7 @@ def _countries_needed(train_size: int, eval_size: int) -> int:
     return count
 
 
-def generated_facts(
-    data: DataConfig, seed: int
-) -> tuple[list[Passage], list[Question], list[Question]]:
+def generated_facts(data: DataConfig, seed: int) -> tuple[list[Passage], list[Question], list[Question]]:
     """The world that ``generated:facts`` names for this data config and seed.
 
     Its size depends on both configured sizes (never on the split asked for), so the train
@@ -324,9 +354,7 @@ def load_corpus(path: str) -> list[Passage]:
             )
         pid = str(row["id"]) if row.get("id") is not None else str(number)
         if pid in first_line:
-            raise DataError(
-                f"{path}: line {number}: duplicate id {pid!r} (first on line {first_line[pid]})"
-            )
+            raise DataError(f"{path}: line {number}: duplicate id {pid!r} (first on line {first_line[pid]})")
         first_line[pid] = number
         passages.append(Passage(pid, text))
     if not passages:
@@ -344,9 +372,7 @@ def _answers(value: Any) -> tuple[str, ...]:
     )
 
 
-def load_qa(
-    spec: str, split: Literal["train", "eval"], data: DataConfig, seed: int
-) -> list[Question]:
+def load_qa(spec: str, split: Literal["train", "eval"], data: DataConfig, seed: int) -> list[Question]:
     """The questions of one split: ``generated:facts`` or a JSONL, JSON or Parquet file.
 
     A file is the split itself (``split`` only picks the half of a generated set), read by
@@ -354,11 +380,10 @@ def load_qa(
     them (Search-R1's ``golden_answers``), and empty ones are dropped.
     """
     if spec.startswith(GENERATED_PREFIX):
-        name = spec[len(GENERATED_PREFIX):]
+        name = spec[len(GENERATED_PREFIX) :]
         if name != GENERATED_FACTS:
             raise DataError(
-                f"{spec}: no such generated set for the search task "
-                f"(available: {GENERATED_PREFIX}{GENERATED_FACTS})"
+                f"{spec}: no such generated set for the search task (available: {GENERATED_PREFIX}{GENERATED_FACTS})"
             )
         _, train, evaluation = generated_facts(data, seed)
         return train if split == "train" else evaluation
@@ -444,8 +469,8 @@ class Retriever:
             n_threads=0,
             backend_selection="numpy",
         )
-        for position, row, row_scores in zip(asked, found, scores):
-            hits = zip(row.tolist(), row_scores.tolist())
+        for position, row, row_scores in zip(asked, found, scores, strict=True):
+            hits = zip(row.tolist(), row_scores.tolist(), strict=True)
             results[position] = [self.passages[i] for i, score in hits if score > 0]
         return results
 
@@ -460,9 +485,7 @@ class Retriever:
 
     def save_to(self, writer: ArtifactWriter) -> None:
         """The passages and every file bm25s writes (numpy arrays without pickle, JSON)."""
-        lines = [
-            json.dumps({"id": p.pid, "text": p.text}, ensure_ascii=False) for p in self.passages
-        ]
+        lines = [json.dumps({"id": p.pid, "text": p.text}, ensure_ascii=False) for p in self.passages]
         writer.write_bytes(PASSAGES_FILE, "".join(line + "\n" for line in lines).encode())
         with tempfile.TemporaryDirectory() as folder:
             self.index.save(folder, show_progress=False, allow_pickle=False)
@@ -481,9 +504,7 @@ class Retriever:
             try:
                 index = bm25s.BM25.load(folder, allow_pickle=False, mmap=False)
             except (ValueError, OSError, KeyError, TypeError) as error:
-                raise CorruptArtifact(
-                    f"{artifact.uri}: not a loadable BM25 index ({error})"
-                ) from None
+                raise CorruptArtifact(f"{artifact.uri}: not a loadable BM25 index ({error})") from None
         if index.scores["num_docs"] != len(passages):
             raise CorruptArtifact(
                 f"{artifact.uri}: the index has {index.scores['num_docs']} documents "
@@ -529,10 +550,7 @@ def format_passages(passages: list[Passage]) -> str:
 
     Newlines inside a passage become spaces so that each document stays on its line.
     """
-    return "\n".join(
-        f"Doc {rank}: {' '.join(passage.text.split())}"
-        for rank, passage in enumerate(passages, start=1)
-    )
+    return "\n".join(f"Doc {rank}: {' '.join(passage.text.split())}" for rank, passage in enumerate(passages, start=1))
 
 
 # --------------------------------------------------------------------------------------
@@ -540,7 +558,9 @@ def format_passages(passages: list[Passage]) -> str:
 # --------------------------------------------------------------------------------------
 
 
-def search_demonstrations(questions: list[Question], config: DrmasConfig, retriever: Retriever, rng: np.random.Generator) -> Demonstrations:
+def search_demonstrations(
+    questions: list[Question], config: DrmasConfig, retriever: Retriever, rng: np.random.Generator
+) -> Demonstrations:
     """(prompt, response) pairs per agent, from episodes played out with the real retriever.
 
     A verdict is "yes" once every hop of the question's plan is in the history, flipped
@@ -553,12 +573,16 @@ def search_demonstrations(questions: list[Question], config: DrmasConfig, retrie
     """
     task, warm = config.task, config.warmstart
     plans = demonstration_queries(config.data, config.experiment.seed)
-    router, searcher, answerer = (cls(history_length=task.history_length) for cls in (RouterAgent, SearchAgent, AnswerAgent))
+    router, searcher, answerer = (
+        cls(history_length=task.history_length) for cls in (RouterAgent, SearchAgent, AnswerAgent)
+    )
     demos: Demonstrations = {"verifier": [], "search": [], "answer": []}
     for question in questions:
         plan = plans.get(question.qid)
         if plan is None:
-            raise DataError(f"warm start: no demonstration for question {question.qid!r} (only generated:facts has them)")
+            raise DataError(
+                f"warm start: no demonstration for question {question.qid!r} (only generated:facts has them)"
+            )
         episode = Episode("u", "t", 0, question)
         for step in range(1, task.max_turns + 1):
             complete = len(episode.history) >= len(plan)
@@ -595,7 +619,13 @@ def _demonstrated_answer(episode: Episode, rng: np.random.Generator, wrong_fract
     if gold in seen and rng.random() >= wrong_fraction:
         return gold
     text = seen or episode.question.question
-    others = sorted({name for name in NAME_OR_YEAR.findall(text) if name != gold and name not in {"Doc", "The", "What", "Who", "In"}})
+    others = sorted(
+        {
+            name
+            for name in NAME_OR_YEAR.findall(text)
+            if name != gold and name not in {"Doc", "The", "What", "Who", "In"}
+        }
+    )
     return str(rng.choice(others)) if others else "unknown"
 
 
@@ -619,7 +649,9 @@ class SearchTask:
     def corpus(self, config: DrmasConfig) -> list[str]:
         return [passage.text for passage in corpus_for(config.data, config.experiment.seed)]
 
-    def demonstrations(self, config: DrmasConfig, questions: list[Question], tools: Tools, rng: np.random.Generator) -> Demonstrations:
+    def demonstrations(
+        self, config: DrmasConfig, questions: list[Question], tools: Tools, rng: np.random.Generator
+    ) -> Demonstrations:
         return search_demonstrations(questions, config, tools.retriever, rng)
 
     def reward(self, final_answer: str | None, question: Question) -> float:
@@ -644,9 +676,7 @@ class SearchOrchestra:
         self.top_k = task.retrieval_top_k
         self.malformed_passes = task.malformed_verdict_passes
         self.retriever = tools.retriever
-        self.agent_objects = {
-            name: cls(history_length=task.history_length) for name, cls in self.agents.items()
-        }
+        self.agent_objects = {name: cls(history_length=task.history_length) for name, cls in self.agents.items()}
 
     def run(self, episodes: list[Episode], team: Team) -> None:
         for step in range(1, self.max_turns + 1):

@@ -245,11 +245,7 @@ def _tagged_after_thinking(response: str, tag: str) -> Parsed:
 def _search_prompt(episode: Episode, history_length: int, instruction: str) -> str:
     """The question, the last turns' queries and passages, then the role's instruction."""
     history = _history(episode, history_length)
-    return (
-        f"Question: {episode.question.question}\n"
-        + (f"History:\n{history}\n" if history else "")
-        + instruction
-    )
+    return f"Question: {episode.question.question}\n" + (f"History:\n{history}\n" if history else "") + instruction
 
 
 @dataclass(frozen=True)

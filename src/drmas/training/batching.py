@@ -73,11 +73,15 @@ def collate(rows: list[dict[str, Any]], pad_id: int) -> MicroBatch:
     )
 
 
-def token_logprobs(model: torch.nn.Module, batch: MicroBatch, want_entropy: bool, temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    model: torch.nn.Module, batch: MicroBatch, want_entropy: bool, temperature: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(next token) [B, L-1] under ``model``, and the per-token entropy if asked;
     with ``temperature`` ([B], see ``sampling_temperatures``) of the logits divided by it."""
     # No KV cache: it is for generation, costs memory here and cannot be checkpointed.
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1].float()
+    logits = (
+        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1].float()
+    )
     if temperature is not None:
         logits = logits / temperature[:, None, None]
     log_probs = torch.log_softmax(logits, dim=-1)  # [B, L-1, V]
@@ -94,7 +98,10 @@ def sampling_temperatures(config: DrmasConfig, agents: list[str]) -> torch.Tenso
     that should not be clipped (veRL divides the same way)."""
     return torch.tensor([config.agent_sampling(agent).temperature or 1.0 for agent in agents], dtype=torch.float32)
 
-def rank_batches(rows: list[dict[str, Any]], packs: list[list[int]], pad_id: int, rank: int, world: int) -> list[MicroBatch]:
+
+def rank_batches(
+    rows: list[dict[str, Any]], packs: list[list[int]], pad_id: int, rank: int, world: int
+) -> list[MicroBatch]:
     """This rank's micro-batches: every world-th pack, then empty ones (the last pack with
     its response mask zeroed: no loss, no gradient) up to the busiest rank's count. ZeRO's
     collectives in each forward and backward must line up across ranks: with one rank a

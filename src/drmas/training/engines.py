@@ -16,9 +16,25 @@ import torch
 import torch.distributed as dist
 
 from drmas.config import DrmasConfig, WorkerGroup
-from drmas.training.state import TrainState, capture_state, restore_scheduler, restore_state, scheduler_state, state_mismatch
+from drmas.training.state import (
+    TrainState,
+    capture_state,
+    restore_scheduler,
+    restore_state,
+    scheduler_state,
+    state_mismatch,
+)
 
-__all__ = ["DeepSpeedEngine", "TorchEngine", "TrainEngine", "deepspeed_config", "ensure_process_group", "full_shape", "make_engine", "rank_and_world"]
+__all__ = [
+    "DeepSpeedEngine",
+    "TorchEngine",
+    "TrainEngine",
+    "deepspeed_config",
+    "ensure_process_group",
+    "full_shape",
+    "make_engine",
+    "rank_and_world",
+]
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -61,13 +77,17 @@ class TrainEngine(Protocol):
         ...
 
 
-def _adamw(model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> tuple[list[torch.nn.Parameter], torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+def _adamw(
+    model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig
+) -> tuple[list[torch.nn.Parameter], torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """The trainable parameters, AdamW over them and its linear warm-up: both engines step
     this same optimizer."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=group.lr, weight_decay=config.train.weight_decay)
     warmup = group.warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+    )
     return params, optimizer, scheduler
 
 
@@ -222,7 +242,10 @@ class DeepSpeedEngine:
             for key in ("exp_avg", "exp_avg_sq"):
                 tensors[f"optim/{name}/{key}"] = safe_get_full_optimizer_state(param, key).detach().cpu().contiguous()
         step = self._base_step()
-        meta = {"scheduler": scheduler_state(self.scheduler), "steps": {name: step for name, _ in self.model.named_parameters()}}
+        meta = {
+            "scheduler": scheduler_state(self.scheduler),
+            "steps": {name: step for name, _ in self.model.named_parameters()},
+        }
         return TrainState(tensors, meta)
 
     def import_state(self, state: TrainState) -> None:
@@ -239,7 +262,11 @@ class DeepSpeedEngine:
         # them with DeepSpeed's own lazy hook (0.19); ZeRO-3 reads the flat state directly.
         base = self.engine.optimizer.optimizer
         for flat in self._flat_partitions():
-            base.state[flat] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+            base.state[flat] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(flat),
+                "exp_avg_sq": torch.zeros_like(flat),
+            }
         if self.zero_stage < 3:
             self.engine.optimizer._lazy_init_hp_params_optimizer_state()
         for name, param in self.model.named_parameters():

@@ -13,7 +13,14 @@ import torch.distributed as dist
 
 from drmas.algos import LossAggregation, aggregate_loss, policy_loss
 from drmas.config import DrmasConfig
-from drmas.training.batching import MicroBatch, collate, micro_batches, rank_batches, sampling_temperatures, token_logprobs
+from drmas.training.batching import (
+    MicroBatch,
+    collate,
+    micro_batches,
+    rank_batches,
+    sampling_temperatures,
+    token_logprobs,
+)
 from drmas.training.engines import TrainEngine, full_shape
 
 __all__ = ["MiniBatchSize", "train_worker_group"]
@@ -28,12 +35,21 @@ class MiniBatchSize:
     micro_batches: int
 
 
-def train_worker_group(config, group, engine, model, ref_model, rows, pad_id, iteration, rank, world) -> dict[str, float]:
+def train_worker_group(
+    config, group, engine, model, ref_model, rows, pad_id, iteration, rank, world
+) -> dict[str, float]:
     """``updates_per_iteration`` optimizer steps over the rows; returns the wg's metrics."""
     train, algorithm = config.train, config.algorithm
     order = np.random.default_rng([config.experiment.seed, iteration, len(rows)]).permutation(len(rows))
     steps = min(train.updates_per_iteration, len(rows))
-    totals: dict[str, float] = {"loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl": 0.0, "logprob_gap": 0.0}
+    totals: dict[str, float] = {
+        "loss": 0.0,
+        "clipfrac": 0.0,
+        "approx_kl": 0.0,
+        "entropy": 0.0,
+        "kl": 0.0,
+        "logprob_gap": 0.0,
+    }
     norms, skipped, tokens = [], 0, 0
     agent_norms: dict[str, list[float]] = {}
     if train.recompute_old_logprobs:
@@ -45,7 +61,9 @@ def train_worker_group(config, group, engine, model, ref_model, rows, pad_id, it
         batches = rank_batches(mini_rows, packs, pad_id, rank, world)
         if config.diagnostics.per_agent_grad_norm:
             agents = sorted({row["agent"] for row in mini_rows})
-            for agent, norm in _agent_grad_norms(engine, model, ref_model, agents, batches, size, config, world).items():
+            for agent, norm in _agent_grad_norms(
+                engine, model, ref_model, agents, batches, size, config, world
+            ).items():
                 agent_norms.setdefault(agent, []).append(norm)
         for index, batch in enumerate(batches):
             loss, stats = _forward_backward(engine, ref_model, batch, size, config, boundary=index == len(batches) - 1)
@@ -82,8 +100,16 @@ def train_worker_group(config, group, engine, model, ref_model, rows, pad_id, it
     return metrics
 
 
-
-def _agent_grad_norms(engine: TrainEngine, model, ref_model, agents: list[str], batches: list[MicroBatch], size: MiniBatchSize, config: DrmasConfig, world: int) -> dict[str, float]:
+def _agent_grad_norms(
+    engine: TrainEngine,
+    model,
+    ref_model,
+    agents: list[str],
+    batches: list[MicroBatch],
+    size: MiniBatchSize,
+    config: DrmasConfig,
+    world: int,
+) -> dict[str, float]:
     """Per agent of the mini-batch (``agents``, the same list on every rank), the L2 norm
     of the gradient of its share of the loss: its rows' terms, normalised as in the update,
     summed over this rank's micro-batches and then over ranks. The agents' gradients add
@@ -98,7 +124,10 @@ def _agent_grad_norms(engine: TrainEngine, model, ref_model, agents: list[str], 
     norms = {}
     with engine.side_pass():
         for agent in agents:
-            losses = (_micro_loss(model, ref_model, batch, size, config, want_entropy=False, only_agent=agent)[0] for batch in batches)
+            losses = (
+                _micro_loss(model, ref_model, batch, size, config, want_entropy=False, only_agent=agent)[0]
+                for batch in batches
+            )
             gradient = _gradient_sum(engine.params, losses)
             if world > 1:
                 dist.all_reduce(gradient, op=dist.ReduceOp.SUM)
@@ -125,12 +154,16 @@ def _recompute_old_logprobs(model, rows, pad_id, max_rows, max_tokens, config: D
     with torch.no_grad():
         for pack in micro_batches(rows, max_rows, max_tokens):
             batch = collate([rows[i] for i in pack], pad_id)
-            logprobs, _ = token_logprobs(model, batch, want_entropy=False, temperature=sampling_temperatures(config, batch.agents))
+            logprobs, _ = token_logprobs(
+                model, batch, want_entropy=False, temperature=sampling_temperatures(config, batch.agents)
+            )
             for b, index in enumerate(pack):
                 rows[index]["old_logprobs"] = logprobs[b][batch.response_mask[b] > 0].tolist()
 
 
-def _forward_backward(engine: TrainEngine, ref_model, batch: MicroBatch, size: MiniBatchSize, config: DrmasConfig, boundary: bool) -> tuple[torch.Tensor, dict[str, float]]:
+def _forward_backward(
+    engine: TrainEngine, ref_model, batch: MicroBatch, size: MiniBatchSize, config: DrmasConfig, boundary: bool
+) -> tuple[torch.Tensor, dict[str, float]]:
     """One micro-batch's loss and its gradient, accumulated into the engine's (``boundary``:
     the mini-batch's last micro-batch). Returns the loss and its metrics."""
     loss, stats = _micro_loss(engine.forward_model, ref_model, batch, size, config, want_entropy=True)
@@ -138,7 +171,15 @@ def _forward_backward(engine: TrainEngine, ref_model, batch: MicroBatch, size: M
     return loss, stats
 
 
-def _micro_loss(model, ref_model, batch: MicroBatch, size: MiniBatchSize, config: DrmasConfig, want_entropy: bool, only_agent: str | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def _micro_loss(
+    model,
+    ref_model,
+    batch: MicroBatch,
+    size: MiniBatchSize,
+    config: DrmasConfig,
+    want_entropy: bool,
+    only_agent: str | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The micro-batch's share of the mini-batch loss (the shares add up to it) and its
     token-mean metrics; with ``only_agent``, the share of that agent's rows alone,
     normalised the same way, so that the agents' shares add up to the micro-batch's."""
@@ -182,7 +223,9 @@ def _micro_loss(model, ref_model, batch: MicroBatch, size: MiniBatchSize, config
     return loss * factor, result
 
 
-def _normalisation(mode: LossAggregation, batch: MicroBatch, size: MiniBatchSize) -> tuple[LossAggregation, int | None, float]:
+def _normalisation(
+    mode: LossAggregation, batch: MicroBatch, size: MiniBatchSize
+) -> tuple[LossAggregation, int | None, float]:
     """(aggregation, num_tokens, factor) that make ``policy_loss`` x factor a micro-batch's
     share of the mini-batch's loss.
 

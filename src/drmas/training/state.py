@@ -11,7 +11,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["TrainState", "capture_state", "load_state", "restore_scheduler", "restore_state", "save_state", "scheduler_state", "state_mismatch"]
+__all__ = [
+    "TrainState",
+    "capture_state",
+    "load_state",
+    "restore_scheduler",
+    "restore_state",
+    "save_state",
+    "scheduler_state",
+    "state_mismatch",
+]
 
 
 @dataclass

@@ -32,15 +32,17 @@ def checkpoint(
     """Write ``iter-{i}/checkpoint`` naming every worker group's new policy and optimizer
     state (one ``update_k`` per worker group) with the iteration's metrics; the output is
     the policy set the next iteration starts from."""
+    from drmas.infra.layout import optim_path, policy_path, stage_path
+    from drmas.infra.store import iteration_path
     from drmas.stages.checkpoint import checkpoint as checkpoint_stage
     from drmas.stages.contracts import CheckpointContract, cache_key
-    from drmas.infra.layout import optim_path, policy_path, stage_path
     from drmas.stages.io import METRICS_FILE, open_stage, policy_set, publish, publish_metrics, reuse_or_compute
-    from drmas.infra.store import iteration_path
 
     config, store = open_stage(config_json)
     experiment = config.experiment.name
-    updates = [u for u in (update_0, update_1, update_2, update_3, update_4, update_5, update_6, update_7) if u is not None]
+    updates = [
+        u for u in (update_0, update_1, update_2, update_3, update_4, update_5, update_6, update_7) if u is not None
+    ]
     given = {u.metadata["wg"]: u.metadata["artifact"] for u in updates}
     groups = [group.name for group in config.worker_groups()]
     expected = {wg: policy_path(experiment, run_id, iteration, wg) for wg in groups}
@@ -52,11 +54,17 @@ def checkpoint(
 
     def compute():
         values = {}
-        for source in [stage_path(experiment, run_id, iteration, "rollout"), stage_path(experiment, run_id, iteration, "advantage"), *expected.values()]:
+        for source in [
+            stage_path(experiment, run_id, iteration, "rollout"),
+            stage_path(experiment, run_id, iteration, "advantage"),
+            *expected.values(),
+        ]:
             values |= store.open(source).read_json(METRICS_FILE)
         checkpoint_stage(config, store, run_id, iteration, values, overwrite=True, cache_key=key)
 
     reuse_or_compute(store, path, key, force, compute, label=f"checkpoint iter {iteration}")
     home = iteration_path(experiment, run_id, iteration)
-    publish(store, path, checkpoint, iteration, **policy_set(store, home, {wg: (expected[wg], "") for wg in groups}, optims))
+    publish(
+        store, path, checkpoint, iteration, **policy_set(store, home, {wg: (expected[wg], "") for wg in groups}, optims)
+    )
     publish_metrics(store.open(path).read_json(METRICS_FILE), metrics)

@@ -21,11 +21,11 @@ def evaluate(
     names the output after the eval settings, ``evaluate-{hash}``, as ``drmas eval`` does,
     so evaluations of one checkpoint on different eval sets do not overwrite each other.
     """
+    from drmas.generation.pool import PoolOnDemand
+    from drmas.generation.workers import PolicyRef
     from drmas.stages.contracts import EvaluateContract, cache_key
     from drmas.stages.evaluate import evaluate as evaluate_stage
-    from drmas.generation.pool import PoolOnDemand
     from drmas.stages.io import METRICS_FILE, open_stage, publish, publish_metrics, reuse_or_compute
-    from drmas.generation.workers import PolicyRef
 
     config, store = open_stage(config_json)
     refs = {wg: PolicyRef(**ref) for wg, ref in policies.metadata["policies"].items()}

@@ -22,9 +22,9 @@ def load_checkpoint(
     A ``run_id`` records the run's config in the store (or checks it against the recorded
     one, as ``drmas run --resume`` does) for the run that continues from here.
     """
-    from drmas.stages.checkpoint import read_checkpoint
     from drmas.infra.layout import run_path
     from drmas.runner import open_run
+    from drmas.stages.checkpoint import read_checkpoint
     from drmas.stages.io import open_stage, policy_set, publish
 
     config, store = open_stage(config_json)
@@ -46,4 +46,10 @@ def load_checkpoint(
 
     policy_refs = {wg: (ref.artifact, "") for wg, ref in found.policies.items()}
     optims = {wg: ref.artifact for wg, ref in found.optims.items()}
-    publish(store, path, policies, found.next_iteration - 1, **policy_set(store, path.rsplit("/", 1)[0], policy_refs, optims))
+    publish(
+        store,
+        path,
+        policies,
+        found.next_iteration - 1,
+        **policy_set(store, path.rsplit("/", 1)[0], policy_refs, optims),
+    )

@@ -24,11 +24,11 @@ def rollout(
     reused when the store holds it with the same cache key (``drmas.stages.contracts``) unless
     ``force``.
     """
-    from drmas.stages.contracts import RolloutContract, cache_key
-    from drmas.stages.rollout import rollout as rollout_stage
     from drmas.generation.pool import PoolOnDemand
-    from drmas.stages.io import METRICS_FILE, open_stage, publish, publish_metrics, reuse_or_compute
     from drmas.generation.workers import PolicyRef
+    from drmas.stages.contracts import RolloutContract, cache_key
+    from drmas.stages.io import METRICS_FILE, open_stage, publish, publish_metrics, reuse_or_compute
+    from drmas.stages.rollout import rollout as rollout_stage
 
     config, store = open_stage(config_json)
     refs = {wg: PolicyRef(**ref) for wg, ref in policies.metadata["policies"].items()}

@@ -23,10 +23,10 @@ def update(
     ``policies`` on its rows of ``batch``; ``reference`` is the KL anchor (the run's
     starting policies). Writes ``iter-{i}/policy/{wg}`` and ``iter-{i}/optim/{wg}``
     (reused when stored with the same cache key, unless ``force``)."""
+    from drmas.generation.workers import PolicyRef
     from drmas.stages.contracts import UpdateContract, cache_key
     from drmas.stages.io import METRICS_FILE, expect_input, open_stage, publish, publish_metrics, reuse_or_compute
     from drmas.stages.update import update as update_stage
-    from drmas.generation.workers import PolicyRef
 
     config, store = open_stage(config_json)
     if wg not in policies.metadata["policies"]:

@@ -26,16 +26,21 @@ def warmstart(
     import json
 
     from drmas.infra.layout import init_policy_path, run_path
-    from drmas.stages.policies import init_policies
     from drmas.runner import open_run, starting_policies
     from drmas.stages.io import METRICS_FILE, announce, open_stage, policy_set, publish, publish_metrics
+    from drmas.stages.policies import init_policies
     from drmas.stages.warmstart import warmstart_path
 
     config, store = open_stage(config_json)
     run = run_path(config.experiment.name, run_id)
     open_run(config, store, run_id, resume=store.exists(f"{run}/run"))
     groups = [group.name for group in config.worker_groups()]
-    outputs = {wg: warmstart_path(config, run_id, wg) if config.warmstart.steps else init_policy_path(config.experiment.name, run_id, wg) for wg in groups}
+    outputs = {
+        wg: warmstart_path(config, run_id, wg)
+        if config.warmstart.steps
+        else init_policy_path(config.experiment.name, run_id, wg)
+        for wg in groups
+    }
     reused = not force and all(store.exists(path) for path in outputs.values())
     if force:
         init_policies(config, store, run_id, overwrite=True)
@@ -52,6 +57,8 @@ def warmstart(
             values |= {f"wg/{wg}/{name}": float(value) for name, value in artifact.read_json(METRICS_FILE).items()}
     # Not one artifact but one per worker group: the fingerprint of the set is a hash of theirs.
     prints = {wg: store.fingerprint(ref.artifact, ignore=(METRICS_FILE,)) for wg, ref in sorted(refs.items())}
-    extra = policy_set(store, f"{run}/init", {wg: (ref.artifact, ref.prefix) for wg, ref in refs.items()}, {wg: None for wg in refs})
+    extra = policy_set(
+        store, f"{run}/init", {wg: (ref.artifact, ref.prefix) for wg, ref in refs.items()}, {wg: None for wg in refs}
+    )
     publish(store, run, policies, -1, fingerprint=hashlib.sha256(json.dumps(prints).encode()).hexdigest(), **extra)
     publish_metrics(values, metrics)

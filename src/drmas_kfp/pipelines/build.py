@@ -28,9 +28,9 @@ from pathlib import Path
 from kfp import compiler, dsl
 from kfp.dsl import Dataset, Model, PipelineTask
 
-from drmas_kfp import components
 from drmas.config import DrmasConfig
 from drmas.infra.layout import stage_path
+from drmas_kfp import components
 from drmas_kfp.pipelines.platform import Placement, place, placement_for
 
 __all__ = [
@@ -59,10 +59,7 @@ class Force:
     entries: frozenset[tuple[str, str | None, int | None]] = frozenset()
 
     def __call__(self, stage: str, iteration: int | None = None, wg: str | None = None) -> bool:
-        return any(
-            s == stage and w in (None, wg) and i in (None, iteration)
-            for s, w, i in self.entries
-        )
+        return any(s == stage and w in (None, wg) and i in (None, iteration) for s, w, i in self.entries)
 
     def __bool__(self) -> bool:
         return bool(self.entries)
@@ -120,7 +117,9 @@ class _Builder:
         self.config, self.force, self.placement = config, force, placement
         self.groups = [group.name for group in config.worker_groups()]
         if len(self.groups) > components.MAX_WORKER_GROUPS:
-            raise ValueError(f"{len(self.groups)} worker groups; the pipelines take at most {components.MAX_WORKER_GROUPS}")
+            raise ValueError(
+                f"{len(self.groups)} worker groups; the pipelines take at most {components.MAX_WORKER_GROUPS}"
+            )
 
     def task(self, stage: str, task: PipelineTask, name: str, forced: bool = False) -> PipelineTask:
         task.set_display_name(name)
@@ -133,12 +132,19 @@ class _Builder:
         warm = None
         if first == 0 or self.config.algorithm.kl_coef:
             forced = self.force("warmstart")
-            warm = self.task("warmstart", components.warmstart(config_json=config_json, run_id=run_id, force=forced), "warm start", forced)
+            warm = self.task(
+                "warmstart",
+                components.warmstart(config_json=config_json, run_id=run_id, force=forced),
+                "warm start",
+                forced,
+            )
         if first == 0:
             return warm.outputs["policies"], warm.outputs["policies"]
         imported = dsl.importer(artifact_uri=start_checkpoint, artifact_class=Model, reimport=False)
         imported.set_display_name(f"import checkpoint {first - 1}")
-        loaded = components.load_checkpoint(config_json=config_json, checkpoint=imported.output, run_id=run_id, next_iteration=first)
+        loaded = components.load_checkpoint(
+            config_json=config_json, checkpoint=imported.output, run_id=run_id, next_iteration=first
+        )
         self.task("load_checkpoint", loaded, f"load checkpoint {first - 1}")
         policies = loaded.outputs["policies"]
         return policies, (warm.outputs["policies"] if warm is not None else policies)
@@ -152,20 +158,41 @@ class _Builder:
         """Iterations ``first`` .. ``last - 1``, chained; returns the last checkpoint."""
         for i in range(first, last):
             forced = self.force("rollout", i)
-            rollout = self.task("rollout", components.rollout(config_json=config_json, run_id=run_id, iteration=i, policies=policies, force=forced), f"rollout {i}", forced)
+            rollout = self.task(
+                "rollout",
+                components.rollout(
+                    config_json=config_json, run_id=run_id, iteration=i, policies=policies, force=forced
+                ),
+                f"rollout {i}",
+                forced,
+            )
             forced = self.force("advantage", i)
-            advantage = components.advantage(config_json=config_json, run_id=run_id, iteration=i, trajectories=rollout.outputs["trajectories"], force=forced)
+            advantage = components.advantage(
+                config_json=config_json,
+                run_id=run_id,
+                iteration=i,
+                trajectories=rollout.outputs["trajectories"],
+                force=forced,
+            )
             self.task("advantage", advantage, f"advantage {i}", forced)
             slots = {}
             for slot, wg in enumerate(self.groups):
                 forced = self.force("update", i, wg)
                 update = components.update(
-                    config_json=config_json, run_id=run_id, iteration=i, wg=wg, batch=advantage.outputs["batch"],
-                    policies=policies, reference=reference, force=forced,
+                    config_json=config_json,
+                    run_id=run_id,
+                    iteration=i,
+                    wg=wg,
+                    batch=advantage.outputs["batch"],
+                    policies=policies,
+                    reference=reference,
+                    force=forced,
                 )
                 slots[f"update_{slot}"] = self.task("update", update, f"update {wg} {i}", forced).outputs["policy"]
             forced = self.force("checkpoint", i)
-            checkpoint = components.checkpoint(config_json=config_json, run_id=run_id, iteration=i, force=forced, **slots)
+            checkpoint = components.checkpoint(
+                config_json=config_json, run_id=run_id, iteration=i, force=forced, **slots
+            )
             self.task("checkpoint", checkpoint, f"checkpoint {i}", forced)
             policies = checkpoint.outputs["checkpoint"]
             if evaluation_due(self.config, i):
@@ -173,7 +200,9 @@ class _Builder:
         return policies
 
 
-def _iteration_pipeline(kind: str, config: DrmasConfig, run_id: str, first: int, last: int, force: Force, placement: PlacementRule):
+def _iteration_pipeline(
+    kind: str, config: DrmasConfig, run_id: str, first: int, last: int, force: Force, placement: PlacementRule
+):
     builder = _Builder(config, force, placement)
     before = kind == "train" and first == 0 and bool(config.eval.every)
 
@@ -196,7 +225,11 @@ def _iteration_pipeline(kind: str, config: DrmasConfig, run_id: str, first: int,
     else:
         default_checkpoint = store_uri(config, stage_path(config.experiment.name, run_id, first - 1, "checkpoint"))
 
-        def pipeline(config_json: str = defaults["config_json"], run_id: str = defaults["run_id"], start_checkpoint: str = default_checkpoint) -> Model:
+        def pipeline(
+            config_json: str = defaults["config_json"],
+            run_id: str = defaults["run_id"],
+            start_checkpoint: str = default_checkpoint,
+        ) -> Model:
             return body(config_json, run_id, start_checkpoint)
 
     return decorate(pipeline)
@@ -228,7 +261,13 @@ def training_pipeline(
     return _iteration_pipeline("train", config, run_id, start_iteration, last, force, placement)
 
 
-def iteration_pipeline(config: DrmasConfig, run_id: str, iteration: int = 0, force: Force = Force(), placement: PlacementRule = placement_for):
+def iteration_pipeline(
+    config: DrmasConfig,
+    run_id: str,
+    iteration: int = 0,
+    force: Force = Force(),
+    placement: PlacementRule = placement_for,
+):
     """One RL iteration of the run: from the warm start (iteration 0) or the checkpoint of
     the iteration before (imported by URI)."""
     if iteration < 0:
@@ -236,16 +275,25 @@ def iteration_pipeline(config: DrmasConfig, run_id: str, iteration: int = 0, for
     return _iteration_pipeline("rl_iteration", config, run_id, iteration, iteration + 1, force, placement)
 
 
-def evaluation_pipeline(config: DrmasConfig, checkpoint: str, force: Force = Force(), placement: PlacementRule = placement_for):
+def evaluation_pipeline(
+    config: DrmasConfig, checkpoint: str, force: Force = Force(), placement: PlacementRule = placement_for
+):
     """Evaluate the checkpoint at URI ``checkpoint`` (a pipeline parameter) on the eval set
     and eval settings of ``config``; results go beside it, to ``evaluate-{hash}``."""
     builder = _Builder(config, force, placement)
 
-    @dsl.pipeline(name=pipeline_name("evaluate", config), description=f"drmas evaluate: a checkpoint of {config.experiment.name} on {config.data_spec('eval')}")
+    @dsl.pipeline(
+        name=pipeline_name("evaluate", config),
+        description=f"drmas evaluate: a checkpoint of {config.experiment.name} on {config.data_spec('eval')}",
+    )
     def pipeline(config_json: str = config.to_json(), checkpoint: str = checkpoint) -> Dataset:
         imported = dsl.importer(artifact_uri=checkpoint, artifact_class=Model, reimport=False)
         imported.set_display_name("import checkpoint")
-        loaded = builder.task("load_checkpoint", components.load_checkpoint(config_json=config_json, checkpoint=imported.output), "load checkpoint")
+        loaded = builder.task(
+            "load_checkpoint",
+            components.load_checkpoint(config_json=config_json, checkpoint=imported.output),
+            "load checkpoint",
+        )
         return builder.evaluate(config_json, loaded.outputs["policies"], "evaluate", None, label="").outputs["results"]
 
     return pipeline

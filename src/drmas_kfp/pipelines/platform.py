@@ -90,5 +90,7 @@ def place(task: PipelineTask, placement: Placement, secret: str = S3_SECRET) -> 
     for toleration in placement.tolerations:
         kubernetes.add_toleration(task, **toleration)
     kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env={key: key for key in S3_SECRET_KEYS})
-    kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env={key: key for key in S3_OPTIONAL_KEYS}, optional=True)
+    kubernetes.use_secret_as_env(
+        task, secret_name=secret, secret_key_to_env={key: key for key in S3_OPTIONAL_KEYS}, optional=True
+    )
     return task
