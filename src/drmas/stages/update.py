@@ -35,7 +35,7 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow.compute as pc
 import torch
@@ -50,6 +50,9 @@ from drmas.models import load_model, load_tokenizer
 from drmas.training.engines import TrainEngine, make_engine, rank_and_world
 from drmas.training.loop import train_worker_group
 from drmas.training.state import load_state, save_state
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["update"]
 
@@ -108,7 +111,7 @@ def update(
     return StageResult(out_policy, metrics)
 
 
-def _prepare_for_training(model: torch.nn.Module, checkpointing: bool) -> None:
+def _prepare_for_training(model: PreTrainedModel, checkpointing: bool) -> None:
     """Training mode and, if asked, activation checkpointing of every decoder layer.
 
     Non-reentrant checkpointing: the reentrant kind does not support ``torch.autograd.grad``
