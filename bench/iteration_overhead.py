@@ -168,7 +168,8 @@ def report(mode: str, seconds: float, driver: int, timings: Path, metrics: list[
     )
     label = f"iterations 1..{len(spans) - 1}" if len(spans) > 1 else "iteration 0"
     print(
-        f"{label} (mean): {mean['wall']:.1f} s; generate {mean['generate']:.2f} s, forward/backward {mean['fwd_bwd']:.2f} s, "
+        f"{label} (mean): {mean['wall']:.1f} s; generate {mean['generate']:.2f} s, "
+        f"forward/backward {mean['fwd_bwd']:.2f} s, "
         f"optimizer {mean['optimizer']:.2f} s -> OVERHEAD {overhead:.0%}"
     )
     print("  where the overhead goes (s per iteration, share of the iteration):")
@@ -186,8 +187,10 @@ def report(mode: str, seconds: float, driver: int, timings: Path, metrics: list[
     driver_life = next((e for e in events if e["name"] == "process" and e["pid"] == driver), None)
     if driver_life is not None:
         print(
-            f"  whole command: {driver_life['t1'] - driver_life['t0']:.1f} s = before iteration 0 {run_span[0] - driver_life['t0']:.1f} s "
-            f"(start-up, config, warm start reused) + iterations {run_span[1] - run_span[0]:.1f} s + after {driver_life['t1'] - run_span[1]:.1f} s "
+            f"  whole command: {driver_life['t1'] - driver_life['t0']:.1f} s = "
+            f"before iteration 0 {run_span[0] - driver_life['t0']:.1f} s "
+            f"(start-up, config, warm start reused) + iterations {run_span[1] - run_span[0]:.1f} s + "
+            f"after {driver_life['t1'] - run_span[1]:.1f} s "
             "(report, model registry, shutdown)"
         )
     if metrics:

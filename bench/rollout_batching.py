@@ -72,7 +72,8 @@ def main() -> None:
     single_tokens = sum(len(r.response_ids) for r in single)
     batched_rate, single_rate = batched_tokens / batched_s, single_tokens / single_s
     print(
-        f"model {params / 1e6:.2f}M params, {args.episodes} episodes, prompts ~{len(batched[0].prompt_ids)} tokens, threads {args.threads}"
+        f"model {params / 1e6:.2f}M params, {args.episodes} episodes, "
+        f"prompts ~{len(batched[0].prompt_ids)} tokens, threads {args.threads}"
     )
     print(f"batched     {batched_tokens:6d} tokens {batched_s:7.2f} s {batched_rate:9.0f} tok/s")
     print(f"per episode {single_tokens:6d} tokens {single_s:7.2f} s {single_rate:9.0f} tok/s")

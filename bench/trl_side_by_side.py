@@ -319,7 +319,8 @@ def share(steps: list[dict], key: str) -> float:
 def report(size: str, result: dict) -> None:
     drmas, trl = result["drmas"], result["trl"]
     print(
-        f"\n== {size}: {result['params'] / 1e6:.2f}M params, warm start {result['warm_s']:.0f} s, {len(drmas)} steps each, "
+        f"\n== {size}: {result['params'] / 1e6:.2f}M params, warm start {result['warm_s']:.0f} s, "
+        f"{len(drmas)} steps each, "
         f"torch threads {result['threads']}"
     )
     print(
@@ -351,7 +352,8 @@ def report(size: str, result: dict) -> None:
         k: sum(s[k] for s in timed) / len(timed) for k in ("wall", "generate", "reward_fn", "fwd_bwd", "optimizer_step")
     }
     print(
-        f"TRL per step (mean s): wall {mean['wall']:.2f}, generate {mean['generate']:.2f}, reward {mean['reward_fn']:.3f}, "
+        f"TRL per step (mean s): wall {mean['wall']:.2f}, generate {mean['generate']:.2f}, "
+        f"reward {mean['reward_fn']:.3f}, "
         f"fwd+bwd {mean['fwd_bwd']:.2f}, optimizer {mean['optimizer_step']:.2f}"
     )
     print("reward per step (mean over the batch):")

@@ -69,7 +69,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     peaks = {"float32": matmul_peak(torch.float32), "bfloat16": matmul_peak(torch.bfloat16)}
     print(
-        f"matmul peak: fp32 {peaks['float32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.1f} GFLOP/s ({args.threads} threads)"
+        f"matmul peak: fp32 {peaks['float32'] / 1e9:.1f} GFLOP/s, "
+        f"bf16 {peaks['bfloat16'] / 1e9:.1f} GFLOP/s ({args.threads} threads)"
     )
     cases = [
         ("torch fp32", ["train.backend=torch"], "float32"),
@@ -104,7 +105,8 @@ def main() -> None:
             results[label] = rate
             mfu = rate * 6 * params / peaks[dtype]
             print(
-                f"{label:16} {params / 1e6:5.1f}M params {rate:8.0f} train tok/s  {100 * mfu:5.1f}% of the {dtype} matmul peak"
+                f"{label:16} {params / 1e6:5.1f}M params {rate:8.0f} train tok/s  "
+                f"{100 * mfu:5.1f}% of the {dtype} matmul peak"
             )
     base = results["torch fp32"]
     print("ratios to torch fp32: " + ", ".join(f"{label} {rate / base:.2f}x" for label, rate in results.items()))

@@ -412,8 +412,8 @@ def test_a_modified_trajectory_file_is_refused_by_rerun(run_copy, capsys):
     )
     assert status == 1
     assert (
-        f"drmas rerun: {run_copy.uri(rollout_path, 'trajectories.parquet')}: sha256 differs from the manifest (modified?)"
-        in err
+        f"drmas rerun: {run_copy.uri(rollout_path, 'trajectories.parquet')}: "
+        "sha256 differs from the manifest (modified?)" in err
     ), err
     assert manifests(Path(run_copy.root)) == before
 
@@ -497,11 +497,13 @@ def foreign_optimizer_state(tmp_path: Path, *overrides: str) -> Path:
     [
         (
             ["models.tiny.hidden_size=64"],
-            r"the state for model\.embed_tokens\.weight\.exp_avg is of shape \(\d+, 64\), but the parameter has shape \(\d+, 32\)",
+            r"the state for model\.embed_tokens\.weight\.exp_avg is of shape \(\d+, 64\), "
+            r"but the parameter has shape \(\d+, 32\)",
         ),
         (
             ["models.tiny.num_layers=2"],
-            r"it holds state for 11 parameter\(s\) this model does not have \(e\.g\. 'model\.layers\.1\.\S+'\): the optimizer state of another model",
+            r"it holds state for 11 parameter\(s\) this model does not have "
+            r"\(e\.g\. 'model\.layers\.1\.\S+'\): the optimizer state of another model",
         ),
     ],
     ids=["other shapes", "other parameters"],

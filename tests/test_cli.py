@@ -169,8 +169,8 @@ def test_stage_takes_only_the_stages_of_an_iteration(capsys):
     status, _, err = drmas(capsys, "rerun", MATH, "--run-id", "r", "--iteration", "0", "--stage", "bogus")
     assert status == 2
     assert (
-        "argument --stage: invalid choice: 'bogus' (choose from 'rollout', 'advantage', 'update', 'evaluate', 'checkpoint')"
-        in err
+        "argument --stage: invalid choice: 'bogus' "
+        "(choose from 'rollout', 'advantage', 'update', 'evaluate', 'checkpoint')" in err
     )
 
 
@@ -200,8 +200,8 @@ def test_worker_group_needs_stage_update_and_a_worker_group_of_the_config(tmp_pa
         )
         assert status == 2
         assert (
-            f"drmas rerun: --worker-group takes --stage update and one of solver, verifier (got --stage {stage} --worker-group {group})"
-            in err
+            "drmas rerun: --worker-group takes --stage update and one of solver, verifier "
+            f"(got --stage {stage} --worker-group {group})" in err
         )
 
 

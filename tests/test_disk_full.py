@@ -88,7 +88,8 @@ def small_disk(tmp_path: Path) -> Path:
     disk = tmp_path / "disk"
     if not tmpfs_works(disk):
         pytest.skip(
-            "no private tmpfs here (unshare -rm refused: user namespaces off); the RLIMIT_FSIZE test covers the failure path"
+            "no private tmpfs here (unshare -rm refused: user namespaces off); "
+            "the RLIMIT_FSIZE test covers the failure path"
         )
     return disk
 

@@ -194,7 +194,8 @@ def test_the_update_stage_refuses_planted_pickles(planted, tmp_path):
         )
         expected = (
             CorruptArtifact,
-            rf"^{re.escape(store.uri('planted/optim'))}: cannot resume the optimizer from it: optimizer.safetensors is not a safetensors file",
+            rf"^{re.escape(store.uri('planted/optim'))}: cannot resume the optimizer from it: "
+            r"optimizer.safetensors is not a safetensors file",
         )
     else:
         folder = store.open(policy.artifact).download(tmp_path / "policy")

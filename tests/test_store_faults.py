@@ -133,7 +133,8 @@ def test_mixed_faults_on_a_third_of_requests(proxy: FaultProxy, capsys):
     with capsys.disabled():
         faulted = sum(proxy.injected.values())
         print(
-            f"\nmixed: {faulted} of {proxy.requests} requests faulted ({dict(proxy.injected)}), all held, {time.monotonic() - started:.1f} s"
+            f"\nmixed: {faulted} of {proxy.requests} requests faulted ({dict(proxy.injected)}), "
+            f"all held, {time.monotonic() - started:.1f} s"
         )
     assert all(proxy.injected[fault] > 0 for fault in FAULTS)
 

@@ -396,7 +396,10 @@ weights = {}
 for label in ("0", "1", "2", "3", "2+offload", "3+offload"):
     stage, offload = label[0], "+offload" in label
     tmp = Path(tempfile.mkdtemp(dir=sys.argv[2]))
-    config, store, policy, _ = make_run(tmp, "train.backend=deepspeed", f"train.zero_stage={stage}", f"train.offload_optimizer={offload}", "train.micro_batch_size=2")
+    config, store, policy, _ = make_run(
+        tmp, "train.backend=deepspeed", f"train.zero_stage={stage}", f"train.offload_optimizer={offload}",
+        "train.micro_batch_size=2",
+    )
     advantage(config, store, "run", 0)
     first = U.update(config, store, "run", 0, WG, policy, None)
     optim = PolicyRef(optim_path(config.experiment.name, "run", 0, WG))

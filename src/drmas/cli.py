@@ -321,7 +321,8 @@ def _run(args: argparse.Namespace) -> int:
             return _fail("run", missing)
         config = open_run(config, store, run_id, resume=args.resume is not None)
         print(
-            f"run {run_id}: {config.experiment.iterations} iterations, store {store.uri(config.experiment.name)}/{run_id}"
+            f"run {run_id}: {config.experiment.iterations} iterations, "
+            f"store {store.uri(config.experiment.name)}/{run_id}"
         )
         summary = train(config, store, run_id, cache_dir=Path(".cache") / "drmas", config_path=args.config)
     except _stopping_errors() as error:
@@ -334,7 +335,8 @@ def _run(args: argparse.Namespace) -> int:
     if table := summary_table(summary, config.eval.k):
         print(table)
     print(
-        f"checkpoint: {summary.checkpoint}\nreport: {summary.report}/report.md\nmlflow: {summary.tracking} (browse with: make ui)"
+        f"checkpoint: {summary.checkpoint}\nreport: {summary.report}/report.md\n"
+        f"mlflow: {summary.tracking} (browse with: make ui)"
     )
     return 0
 
@@ -364,7 +366,8 @@ def _rerun(args: argparse.Namespace) -> int:
     except _stopping_errors() as error:
         return _fail("rerun", error)
     print(
-        f"recomputed: {', '.join(result.recomputed)}; cache hits: {', '.join(n for n in result.stages if n not in result.recomputed and not n.startswith('optim/'))}"
+        f"recomputed: {', '.join(result.recomputed)}; cache hits: "
+        f"{', '.join(n for n in result.stages if n not in result.recomputed and not n.startswith('optim/'))}"
     )
     return 0
 
@@ -533,7 +536,8 @@ def _compile_or_submit(args: argparse.Namespace) -> int:
         path = compile_pipeline(func, args.output or Path(scratch) / "pipeline.yaml")
         if path.stat().st_size > LARGE_PIPELINE:
             print(
-                f"drmas submit: warning: the compiled pipeline is {path.stat().st_size >> 20} MiB; KFP keeps a run's whole "
+                f"drmas submit: warning: the compiled pipeline is {path.stat().st_size >> 20} MiB; "
+                "KFP keeps a run's whole "
                 "spec (its database, the Argo workflow in etcd: 1.5 MiB): submit it in parts with "
                 "--iterations N and --start-iteration K",
                 file=sys.stderr,

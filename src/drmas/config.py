@@ -321,7 +321,8 @@ class TrainConfig(Section):
     def _offload_needs_zero(self) -> TrainConfig:
         if self.offload_optimizer and self.backend == "deepspeed" and self.zero_stage == 0:
             raise ValueError(
-                "offload_optimizer needs zero_stage 1, 2 or 3 (ZeRO-Offload partitions the optimizer state it moves to host memory)"
+                "offload_optimizer needs zero_stage 1, 2 or 3 "
+                "(ZeRO-Offload partitions the optimizer state it moves to host memory)"
             )
         return self
 

@@ -323,7 +323,10 @@ def rerun(
 
 
 def _eval_line(metrics: dict[str, float], k: int) -> str:
-    return f"eval avg@{k} {metrics.get(f'eval/avg_at_{k}', float('nan')):.3f} pass@{k} {metrics.get(f'eval/pass_at_{k}', float('nan')):.3f}"
+    return (
+        f"eval avg@{k} {metrics.get(f'eval/avg_at_{k}', float('nan')):.3f} "
+        f"pass@{k} {metrics.get(f'eval/pass_at_{k}', float('nan')):.3f}"
+    )
 
 
 def _summary_line(iteration: int, metrics: dict[str, float], k: int) -> str:

@@ -114,7 +114,10 @@ def mismatch_reading(ratios: dict[str, float]) -> str:
     """What the measured second-moment ratios predict for the comparison, in one sentence."""
     measured = {agent: value for agent, value in ratios.items() if np.isfinite(value)}
     if not measured:
-        return "No batch had rewards that differed within a prompt group: the ratios are undefined, and neither mode had a gradient to scale."
+        return (
+            "No batch had rewards that differed within a prompt group: the ratios are undefined, "
+            "and neither mode had a gradient to scale."
+        )
     agent, value = max(measured.items(), key=lambda item: abs(item[1] - 1))
     if abs(value - 1) < VISIBLE_MISMATCH:
         return (
@@ -280,7 +283,8 @@ def _markdown(
         "terms. Prompt groups whose trajectories all scored the same have no multiplier (both "
         "modes give them advantage 0) and are counted apart.",
         "",
-        "| agent | calls per iteration | mean reward | measured A^2 ratio | Lemma 4.2 multiplier | its p95 | mean gap | variance ratio | groups without spread |",
+        "| agent | calls per iteration | mean reward | measured A^2 ratio | Lemma 4.2 multiplier "
+        "| its p95 | mean gap | variance ratio | groups without spread |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for agent in agents:
@@ -307,7 +311,8 @@ def _markdown(
             "prediction above (the lemma is about the second moment of one call's gradient, not the "
             "norm of a mini-batch step: expect agreement in direction more than in size).",
             "",
-            "| agent | grad norm, grpo | grad norm, drmas | observed grpo / drmas | sqrt(measured A^2 ratio) | sqrt(Lemma 4.2 multiplier) |",
+            "| agent | grad norm, grpo | grad norm, drmas | observed grpo / drmas "
+            "| sqrt(measured A^2 ratio) | sqrt(Lemma 4.2 multiplier) |",
             "|---|---|---|---|---|---|",
         ]
         for agent in agents:
@@ -315,7 +320,8 @@ def _markdown(
             observed = grpo / drmas if drmas > 0 else float("nan")
             lines.append(
                 f"| {agent} | {cell(grpo)} | {cell(drmas)} | {cell(observed)} "
-                f"| {cell(np.sqrt(mean_of(agent, 'adv_sq_ratio')))} | {cell(np.sqrt(mean_of(agent, 'lemma_multiplier')))} |"
+                f"| {cell(np.sqrt(mean_of(agent, 'adv_sq_ratio')))} "
+                f"| {cell(np.sqrt(mean_of(agent, 'lemma_multiplier')))} |"
             )
     lines += [
         "",

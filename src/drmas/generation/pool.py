@@ -11,7 +11,8 @@ Ray starts locally by default (bound to 127.0.0.1) and joins a cluster when
 
 A worker-group actor that dies (its process killed, its node lost) is restarted by Ray
 (up to ``ACTOR_RESTARTS`` times per pool); the pool sees the failed call (or the restarted
-actor's ``PolicyNotLoaded``), reloads the policy the actor held and repeats the call. Generation is seeded per call, so the repeated call returns what the
+actor's ``PolicyNotLoaded``), reloads the policy the actor held and repeats the call.
+Generation is seeded per call, so the repeated call returns what the
 first would have: the stage completes as if nothing happened. Past the limit the call
 fails with ``WorkerGroupDied`` naming the worker group, and the stage writes nothing.
 """

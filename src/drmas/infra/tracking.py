@@ -295,7 +295,8 @@ class Tracker:
             self._down_since = now
             self.outages += 1
             log.warning(
-                "tracking: MLflow at %s is unreachable (%s); training continues, calls are kept (up to %d) and sent when it is back",
+                "tracking: MLflow at %s is unreachable (%s); training continues, "
+                "calls are kept (up to %d) and sent when it is back",
                 _redacted(self.uri),
                 _reason(error),
                 self.max_pending,
@@ -352,7 +353,8 @@ class Tracker:
             ongoing = time.monotonic() - self._down_since if self._down_since is not None else 0.0
             still = ", still unreachable at the last try" if self._down_since is not None else ""
             parts.append(
-                f"MLflow at {_redacted(self.uri)} was unreachable {self.outages} time(s), {self.outage_s + ongoing:.0f} s in all{still}"
+                f"MLflow at {_redacted(self.uri)} was unreachable {self.outages} time(s), "
+                f"{self.outage_s + ongoing:.0f} s in all{still}"
             )
         if self.delivered_late:
             parts.append(
