@@ -58,7 +58,7 @@ def stage_artifacts(iteration: int) -> list[tuple[str, str, int]]:
     return artifacts + [("evaluate", f"{prefix}/evaluate", 2), ("checkpoint", f"{prefix}/checkpoint", 2)]
 
 
-def kill_plan(seed: int, per_kind: int = 2) -> list[KillPoint]:
+def kill_plan(seed: int, per_kind: int = 1) -> list[KillPoint]:
     """``per_kind`` seeded kill points in each stage kind, in the order a run reaches them."""
     rng = random.Random(seed)
     candidates = []
@@ -130,15 +130,18 @@ def final_state(store: Store, run: str) -> dict[str, bytes]:
     return state
 
 
-@pytest.mark.timeout(1500)  # 15 runs of the CLI: about 4 minutes on 2 quiet cores
+@pytest.mark.timeout(1500)  # 9 runs of the CLI: about 3 minutes on 2 quiet cores
 def test_killed_at_every_stage_and_resumed_equals_uninterrupted(tmp_path):
     store = Store(str(tmp_path / "runs"))
     code, output = finish(drmas_run(tmp_path, "whole", resume=False))
     assert code == 0, output
     expected = final_state(store, "whole")
 
-    plan = kill_plan(seed=8)
-    assert {point.kind for point in plan} == set(STAGE_KINDS) and len(plan) >= 10
+    # One kill inside each stage kind (seed 11: a torn rollout, an update's policy killed
+    # before its manifest, a torn evaluation, both iterations); one process start each, which
+    # is most of the suite's time in this test.
+    plan = kill_plan(seed=11)
+    assert {point.kind for point in plan} == set(STAGE_KINDS) and len(plan) == len(STAGE_KINDS)
     rng = random.Random(8)
     kills, torn_seen = 0, 0
     # Two kills at seeded random times first: anywhere in start-up, warm start or iteration 0.
@@ -163,7 +166,7 @@ def test_killed_at_every_stage_and_resumed_equals_uninterrupted(tmp_path):
     code, output = finish(drmas_run(tmp_path, "cut", resume=True))
     assert code == 0, output
     assert differences(final_state(store, "cut"), expected) == []
-    assert kills >= 12 and torn_seen >= 1
+    assert kills == len(plan) + 2 and torn_seen >= 1
 
 
 def differences(actual: dict[str, bytes], expected: dict[str, bytes]) -> list[str]:
