@@ -3,10 +3,13 @@ fly) in Ray actors, both tasks, shared, separate and heterogeneous worker groups
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pyarrow.compute as pc
@@ -199,3 +202,47 @@ def test_a_stage_process_joins_the_ray_that_ray_address_names(ray_session):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == [address, str(pool)]
     assert ray.cluster_resources()["pool_slot"] == pool  # still up for the next task
+
+
+ON_GPUS = """
+import json, sys
+from pathlib import Path
+import ray
+from drmas.config import load_config
+from drmas.generation.pool import RayPool, connect_ray
+from drmas.infra.store import Store
+config = load_config(sys.argv[1], ["ray.pool_resource=GPU", "ray.pool_size=2", "workers.sharing=none"])
+assert connect_ray(config, Path(sys.argv[2]))
+with RayPool(config, Store(sys.argv[3]), threads=1) as pool:
+    granted = {
+        name: ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_assigned_resources()))
+        for name, actor in pool.actors.items()
+    }
+print(json.dumps({"cluster": ray.cluster_resources().get("GPU"), "granted": granted}))
+ray.shutdown()
+"""
+
+
+def test_a_gpu_pool_asks_ray_for_gpus_by_num_gpus(tmp_path):
+    """``ray.pool_resource: GPU`` (the GPU configs) cannot be a custom resource: Ray refuses
+    'GPU' in ``resources``. The local node declares the pool as GPUs (Ray schedules them on
+    CPU too, as a count) and each worker group's actor is granted its share by num_gpus."""
+    import ray
+
+    with pytest.raises(ValueError, match="Use the 'num_cpus' and 'num_gpus' keyword"):
+        ray.remote(RayPool).options(resources={"GPU": 1.0})
+    short = Path(tempfile.mkdtemp(prefix="drmas-gpu-"))  # Ray's socket paths must stay short
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", ON_GPUS, str(CONFIGS / "math_tiny.yaml"), str(short), str(tmp_path / "store")],
+            env={key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["cluster"] == 2.0
+    assert {name: grant.get("GPU") for name, grant in found["granted"].items()} == {"solver": 1.0, "verifier": 1.0}

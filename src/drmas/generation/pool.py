@@ -25,12 +25,13 @@ import tempfile
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 from drmas.config import DrmasConfig, SamplingConfig
 from drmas.generation.workers import GenerationResult, PolicyNotLoaded, PolicyRef, WorkerGroupRuntime
 from drmas.infra.store import Store
 
-__all__ = ["ACTOR_RESTARTS", "RAY_ADDRESS", "PoolOnDemand", "RayPool", "WorkerGroupDied", "connect_ray"]
+__all__ = ["ACTOR_RESTARTS", "RAY_ADDRESS", "PoolOnDemand", "RayPool", "WorkerGroupDied", "connect_ray", "slot_request"]
 
 log = logging.getLogger("drmas")
 RAY_ADDRESS = "RAY_ADDRESS"
@@ -76,13 +77,23 @@ def connect_ray(config: DrmasConfig, temp_dir: Path | None = None) -> bool:
     temp = _ray_temp_dir(temp_dir)
     temp.mkdir(parents=True, exist_ok=True)
     ray.init(
-        resources={config.ray.pool_resource: config.ray.pool_size},
+        **slot_request(config.ray.pool_resource, config.ray.pool_size, node=True),
         include_dashboard=False,
         _temp_dir=str(temp),
         log_to_driver=False,
         configure_logging=False,
     )
     return True
+
+
+def slot_request(resource: str, amount: float, node: bool = False) -> dict[str, Any]:
+    """How to ask Ray for ``amount`` of the pool's resource: GPUs through ``num_gpus`` (Ray
+    refuses 'GPU' among custom ``resources``: "Use the 'num_cpus' and 'num_gpus' keyword"),
+    any other name as a custom resource. ``node``: for ``ray.init`` of a local node, whose
+    ``num_gpus`` is a whole count."""
+    if resource == "GPU":
+        return {"num_gpus": int(amount) if node else amount}
+    return {"resources": {resource: amount}}
 
 
 def _keep_local_ray_on_loopback() -> None:
@@ -128,7 +139,7 @@ class RayPool:
         self.actors = {
             group.name: actor_class.options(
                 num_cpus=0,
-                resources={resource: 1.0 / per_slot[index % slots]},
+                **slot_request(resource, 1.0 / per_slot[index % slots]),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement, placement_group_bundle_index=index % slots
                 ),
