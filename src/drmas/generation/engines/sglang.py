@@ -1,22 +1,47 @@
 """The SGLang engine (GPU image only): offline engine with memory release and resume.
 
 Imported only when ``rollout.engine: sglang``; SGLang pins a CUDA torch and GPU kernels
-and cannot be installed on CPU machines. Not yet verified on a GPU by the test suite.
+and cannot be installed on CPU machines. Written against SGLang 0.5.x's offline
+``sglang.Engine`` as its source defines it (0.5.18-0.5.21, the releases that pin torch
+2.13); ``tests/test_sglang_engine.py`` drives it through a scripted stand-in with the same
+signatures and return values. Not yet run on a GPU. What the source says and this follows:
+
+- ``release_memory_occupation`` frees the weights' and the KV cache's memory and throws
+  their content away (unless ``enable_weights_cpu_backup``): after a release, the weights
+  are loaded again before anything is generated, never just resumed.
+- Releasing asserts, inside the engine, that it is idle: ``flush_cache()`` reports that
+  (``success``) without raising, so it is checked first.
+- ``update_weights_from_disk`` returns ``(success, message, num_paused_requests)``; a
+  failure is returned, not raised.
+- A per-request ``sampling_seed`` is honoured only with ``enable_deterministic_inference``;
+  without it, sampling depends on how requests are batched.
 """
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 from typing import Any
 
 from drmas.config import SamplingConfig
 from drmas.generation.engines import Generation
 
+__all__ = ["SGLangEngine", "request_seed"]
+
+RESIDENT_AFTER_WEIGHTS = ["kv_cache", "cuda_graph"]
+"""What ``resume_memory_occupation`` maps back once the weights are in again."""
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The sampling seed of request ``index`` of a generate call seeded ``seed``: each
+    request draws its own stream, so its sample does not depend on its batch-mates."""
+    return zlib.crc32(f"{seed}/{index}".encode()) & 0x7FFFFFFF
+
 
 class SGLangEngine:
-    """One ``sglang.Engine`` per worker group, token ids in and out (no tokenizer inside)."""
+    """One ``sglang.Engine`` per worker group on its actor's GPU, token ids in and out."""
 
-    def __init__(self, dtype: str = "bfloat16", mem_fraction_static: float = 0.5) -> None:
+    def __init__(self, dtype: str = "bfloat16", mem_fraction_static: float = 0.5, seed: int = 0) -> None:
         try:
             import sglang  # noqa: PLC0415
         except ImportError as error:
@@ -27,36 +52,57 @@ class SGLangEngine:
         self._sglang = sglang
         self.dtype = dtype
         self.mem_fraction_static = mem_fraction_static
+        self.seed = seed
         self.engine: Any = None
         self.policy_dir: Path | None = None
         self.resident = False
 
     def load(self, policy_dir: Path) -> None:
+        """Start the engine on this policy, or put the policy's weights into it."""
         self.policy_dir = Path(policy_dir)
         if self.engine is None:
             self.engine = self._sglang.Engine(
                 model_path=str(self.policy_dir),
                 dtype=self.dtype,
                 skip_tokenizer_init=True,
-                enable_memory_saver=True,
+                enable_memory_saver=True,  # without it, release and resume free nothing
                 mem_fraction_static=self.mem_fraction_static,
+                tp_size=1,
+                base_gpu_id=0,  # the actor's one GPU (Ray sets CUDA_VISIBLE_DEVICES)
+                random_seed=self.seed,
+                enable_deterministic_inference=True,  # per-request seeds
             )
             self.resident = True
             return
-        self.resume()
-        self.engine.update_weights_from_disk(str(self.policy_dir))
+        if self.resident:
+            self._load_weights(self.policy_dir)
+        else:
+            self.resume()  # maps the memory back and loads the new policy's weights into it
 
     def offload(self) -> None:
         if self.engine is not None and self.resident:
+            flushed = self.engine.flush_cache()
+            if not flushed.success:
+                raise RuntimeError(f"SGLang engine is busy, cannot release its memory: {flushed.message}")
             self.engine.release_memory_occupation()
             self.resident = False
 
     def resume(self) -> None:
-        if self.engine is None:
+        """Map the memory back and load the last policy's weights again (a release threw
+        them away), then the KV cache and CUDA graphs."""
+        if self.engine is None or self.policy_dir is None:
             raise RuntimeError("resume() before load(): no policy to make resident")
-        if not self.resident:
-            self.engine.resume_memory_occupation()
-            self.resident = True
+        if self.resident:
+            return
+        self.engine.resume_memory_occupation(tags=["weights"])
+        self._load_weights(self.policy_dir)
+        self.engine.resume_memory_occupation(tags=RESIDENT_AFTER_WEIGHTS)
+        self.resident = True
+
+    def _load_weights(self, policy_dir: Path) -> None:
+        success, message, _ = self.engine.update_weights_from_disk(str(policy_dir))
+        if not success:
+            raise RuntimeError(f"SGLang could not load the weights of {policy_dir}: {message}")
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingConfig, stop_ids: list[int], seed: int
@@ -70,14 +116,19 @@ class SGLangEngine:
             "top_k": sampling.top_k or -1,
             "max_new_tokens": sampling.max_new_tokens,
             "stop_token_ids": stop_ids,
-            "sampling_seed": seed,
         }
-        outputs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
-        return [
-            Generation(
-                response_ids=list(out["output_ids"]),
-                logprobs=[float(lp) for lp, _, _ in out["meta_info"]["output_token_logprobs"]],
-                finish_reason="stop" if out["meta_info"]["finish_reason"]["type"] == "stop" else "length",
-            )
-            for out in outputs
-        ]
+        per_request = [params | {"sampling_seed": request_seed(seed, index)} for index in range(len(prompts))]
+        outputs = self.engine.generate(input_ids=prompts, sampling_params=per_request, return_logprob=True)
+        return [_generation(out) for out in outputs]
+
+
+def _generation(out: dict[str, Any]) -> Generation:
+    meta = out["meta_info"]
+    reason = meta["finish_reason"]["type"]
+    if reason == "abort":
+        raise RuntimeError(f"SGLang aborted a request: {meta['finish_reason']}")
+    return Generation(
+        response_ids=list(out["output_ids"]),
+        logprobs=[float(logprob) for logprob, _, _ in meta["output_token_logprobs"]],
+        finish_reason="stop" if reason == "stop" else "length",
+    )

@@ -1,0 +1,191 @@
+"""The SGLang engine against a scripted stand-in of ``sglang.Engine``.
+
+A stand-in, because SGLang needs a CUDA GPU and cannot be installed here. It keeps the
+signatures and return values of SGLang 0.5.x's offline engine as its source defines them
+(``sglang/srt/entrypoints/engine.py``, 0.5.18-0.5.21): ``release_memory_occupation(tags=None)``
+and ``resume_memory_occupation(tags=None)`` return None; ``update_weights_from_disk(model_path,
+load_format=None)`` returns ``(success, message, num_paused_requests)``; ``flush_cache()``
+returns an object with ``success`` and ``message``; ``generate(input_ids=..., sampling_params=
+[one dict per request], return_logprob=True)`` returns one dict per request, in order. It
+records every call, and, as SGLang does, throws the weights away on release.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from drmas.config import SamplingConfig
+
+GARBAGE = "garbage"
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+class ScriptedEngine:
+    """Records calls; generates from whichever weights it holds (so garbage shows)."""
+
+    instances: list[ScriptedEngine] = []
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+        self.calls: list[tuple[str, Any]] = [("init", kwargs["model_path"])]
+        self.weights = kwargs["model_path"]
+        self.busy = False
+        self.refuse_weights = False
+        ScriptedEngine.instances.append(self)
+
+    def flush_cache(self) -> FlushCacheReqOutput:
+        self.calls.append(("flush_cache", None))
+        return FlushCacheReqOutput(not self.busy, "not idle" if self.busy else "")
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.calls.append(("release", tags))
+        if tags is None or "weights" in tags:
+            self.weights = GARBAGE  # torch_memory_saver frees the memory; the content is gone
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.calls.append(("resume", tags))
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str, int]:
+        self.calls.append(("update_weights_from_disk", model_path))
+        if self.refuse_weights:
+            return False, f"Failed to load {model_path}: shape mismatch", 0
+        self.weights = model_path
+        return True, "Succeeded to update model weights.", 0
+
+    def generate(
+        self,
+        prompt: Any = None,
+        sampling_params: list[dict] | dict | None = None,
+        input_ids: list[list[int]] | None = None,
+        return_logprob: bool = False,
+        **kwargs: Any,
+    ) -> list[dict]:
+        self.calls.append(("generate", self.weights))
+        assert isinstance(sampling_params, list) and len(sampling_params) == len(input_ids)
+        return [
+            {
+                "output_ids": [params["sampling_seed"] % 100, 7],
+                "meta_info": {
+                    "finish_reason": {"type": "stop"},
+                    "output_token_logprobs": [(-0.5, params["sampling_seed"] % 100, None), (-0.25, 7, None)],
+                    "weights": self.weights,
+                },
+            }
+            for params in sampling_params
+        ]
+
+
+@pytest.fixture
+def sglang(monkeypatch):
+    """``import sglang`` finds the stand-in."""
+    ScriptedEngine.instances = []
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=ScriptedEngine))
+    from drmas.generation.engines.sglang import SGLangEngine
+
+    return SGLangEngine
+
+
+SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=8)
+
+
+def test_the_engine_starts_for_colocation_and_seeds_every_request(sglang):
+    engine = sglang("bfloat16", mem_fraction_static=0.4, seed=3)
+    engine.load(Path("/policies/v0"))
+    [scripted] = ScriptedEngine.instances
+    assert scripted.kwargs | {"model_path": "-"} == {
+        "model_path": "-",
+        "dtype": "bfloat16",
+        "skip_tokenizer_init": True,
+        "enable_memory_saver": True,
+        "mem_fraction_static": 0.4,
+        "tp_size": 1,
+        "base_gpu_id": 0,
+        "random_seed": 3,
+        "enable_deterministic_inference": True,
+    }
+    first = engine.generate([[1, 2], [3], [4]], SAMPLING, stop_ids=[7], seed=11)
+    again = engine.generate([[1, 2], [3]], SAMPLING, stop_ids=[7], seed=11)
+    # One seed per request, the same for a request whatever its batch: its sample too.
+    assert [g.response_ids for g in again] == [g.response_ids for g in first[:2]]
+    assert len({tuple(g.response_ids) for g in first}) == 3
+    assert first[0].logprobs == [-0.5, -0.25] and first[0].finish_reason == "stop"
+
+
+def test_after_a_release_the_weights_are_loaded_again_before_generating(sglang):
+    """SGLang throws the weights away on release: resuming alone would generate from
+    garbage. The engine reloads the policy it holds, then maps the cache back."""
+    engine = sglang()
+    engine.load(Path("/policies/v0"))
+    engine.offload()
+    engine.generate([[1]], SAMPLING, stop_ids=[], seed=0)
+    scripted = ScriptedEngine.instances[0]
+    assert scripted.calls == [
+        ("init", "/policies/v0"),
+        ("flush_cache", None),
+        ("release", None),
+        ("resume", ["weights"]),
+        ("update_weights_from_disk", "/policies/v0"),
+        ("resume", ["kv_cache", "cuda_graph"]),
+        ("generate", "/policies/v0"),
+    ]
+
+
+def test_a_new_policy_goes_in_once_whether_or_not_the_engine_was_released(sglang):
+    engine = sglang()
+    engine.load(Path("/policies/v0"))
+    engine.load(Path("/policies/v1"))  # resident: one update
+    engine.offload()
+    engine.load(Path("/policies/v2"))  # released: resume, then the new weights, once
+    engine.generate([[1]], SAMPLING, stop_ids=[], seed=0)
+    calls = ScriptedEngine.instances[0].calls
+    assert [c for c in calls if c[0] == "update_weights_from_disk"] == [
+        ("update_weights_from_disk", "/policies/v1"),
+        ("update_weights_from_disk", "/policies/v2"),
+    ]
+    assert calls[-1] == ("generate", "/policies/v2")
+
+
+def test_a_failed_weight_update_raises_with_the_engines_message(sglang):
+    engine = sglang()
+    engine.load(Path("/policies/v0"))
+    ScriptedEngine.instances[0].refuse_weights = True
+    with pytest.raises(RuntimeError, match=r"could not load the weights of /policies/v1: Failed to load .* shape"):
+        engine.load(Path("/policies/v1"))
+
+
+def test_a_busy_engine_is_not_released(sglang):
+    """SGLang asserts idleness inside its scheduler on release (a crash there kills the
+    actor): the engine asks ``flush_cache`` first and raises on a busy engine."""
+    engine = sglang()
+    engine.load(Path("/policies/v0"))
+    ScriptedEngine.instances[0].busy = True
+    with pytest.raises(RuntimeError, match="busy, cannot release its memory: not idle"):
+        engine.offload()
+    assert ("release", None) not in ScriptedEngine.instances[0].calls and engine.resident
+
+
+def test_an_aborted_request_is_an_error_not_an_empty_response(sglang, monkeypatch):
+    engine = sglang()
+    engine.load(Path("/policies/v0"))
+    scripted = ScriptedEngine.instances[0]
+    original = scripted.generate
+
+    def aborting(**kwargs):
+        outputs = original(**kwargs)
+        outputs[0]["meta_info"]["finish_reason"] = {"type": "abort", "message": "out of memory"}
+        return outputs
+
+    monkeypatch.setattr(scripted, "generate", aborting)
+    with pytest.raises(RuntimeError, match="aborted a request.*out of memory"):
+        engine.generate([[1]], SAMPLING, stop_ids=[], seed=0)
