@@ -63,7 +63,7 @@ def test_math_rollout_separate_models_is_deterministic(ray_session, tmp_path):
     )
     assert pc.max(pc.list_value_length(table["response_ids"])).as_py() <= 12
     # max_resident 1: only one worker group holds its weights after the rollout.
-    assert sum(s["resident"] for s in status.values()) == 1 and loads == 2
+    assert sum(worker["resident"] for workers in status.values() for worker in workers) == 1 and loads == 2
     _, _, [again], _, _ = run_rollouts(config, tmp_path / "b")
     assert again.equals(table)  # same seed, same file
 
@@ -111,7 +111,7 @@ def test_heterogeneous_models_use_their_own_tokenizers(ray_session, tmp_path):
     )
     store, results, tables, status, loads = run_rollouts(config, tmp_path, iterations=(0, 1))
     assert loads == 2  # the second iteration reused both resident policy versions
-    assert all(s["resident"] for s in status.values())
+    assert all(worker["resident"] for workers in status.values() for worker in workers)
     table = tables[1]
     tokenizers = {
         wg: load_tokenizer(store.open(f"math-tiny/run/init/policy/{wg}").download(tmp_path / wg))
@@ -136,7 +136,7 @@ class ActorKiller:
     def generate(self, wg, messages, sampling, seed):
         self.calls += 1
         if self.calls in self.kill_before:
-            os.kill(self.pool.status()[wg]["pid"], signal.SIGKILL)
+            os.kill(self.pool.status()[wg][0]["pid"], signal.SIGKILL)
         return self.pool.generate(wg, messages, sampling, seed)
 
 
@@ -164,10 +164,10 @@ def test_an_actor_that_keeps_dying_fails_the_stage_cleanly(ray_session, tmp_path
     with RayPool(config, store, cache_dir=tmp_path / "cache", threads=1) as pool:
         pool.load(policies)
         for _ in range(ACTOR_RESTARTS):
-            os.kill(pool.status()["solver"]["pid"], signal.SIGKILL)
+            os.kill(pool.status()["solver"][0]["pid"], signal.SIGKILL)
             pool.status()  # waits for the restart and reloads the policy
         assert pool.restarts == ACTOR_RESTARTS
-        os.kill(pool.status()["solver"]["pid"], signal.SIGKILL)
+        os.kill(pool.status()["solver"][0]["pid"], signal.SIGKILL)
         with pytest.raises(WorkerGroupDied, match="worker group 'solver'.*wrote nothing"):
             rollout(config, store, "run", 0, policies, pool)
     assert not store.exists("math-tiny/run/iter-000000/rollout")

@@ -5,7 +5,10 @@ signatures and return values of SGLang 0.5.x's offline engine as its source defi
 (``sglang/srt/entrypoints/engine.py``, 0.5.18-0.5.21): ``release_memory_occupation(tags=None)``
 and ``resume_memory_occupation(tags=None)`` return None; ``update_weights_from_disk(model_path,
 load_format=None)`` returns ``(success, message, num_paused_requests)``; ``flush_cache()``
-returns an object with ``success`` and ``message``; ``generate(input_ids=..., sampling_params=
+returns an object with ``success`` and ``message``; ``update_weights_from_tensor(named_tensors,
+load_format=None, flush_cache=True)`` returns ``(success, message)`` and, from 0.5.21, runs
+only between ``begin_weight_update()`` and ``end_weight_update()`` (each ``(success,
+message)``); ``generate(input_ids=..., sampling_params=
 [one dict per request], return_logprob=True)`` returns one dict per request, in order. It
 records every call, and, as SGLang does, throws the weights away on release.
 """
@@ -21,6 +24,7 @@ from typing import Any
 import pytest
 
 from drmas.config import SamplingConfig
+from drmas.generation.engines import request_seeds
 
 GARBAGE = "garbage"
 
@@ -55,6 +59,27 @@ class ScriptedEngine:
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         self.calls.append(("resume", tags))
+
+    def begin_weight_update(self, selector: str = "all") -> tuple[bool, str]:
+        self.calls.append(("begin_weight_update", selector))
+        self.session = True
+        return True, ""
+
+    def end_weight_update(self) -> tuple[bool, str]:
+        self.calls.append(("end_weight_update", None))
+        self.session = False
+        return True, ""
+
+    def update_weights_from_tensor(
+        self, named_tensors: list[tuple[str, Any]], load_format: str | None = None, flush_cache: bool = True
+    ) -> tuple[bool, str]:
+        self.calls.append(("update_weights_from_tensor", [name for name, _ in named_tensors]))
+        if not getattr(self, "session", False):
+            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+        if self.refuse_weights:
+            return False, "shape mismatch"
+        self.weights = "tensors:" + ",".join(str(tensor) for _, tensor in named_tensors)
+        return True, "Succeeded to update model weights."
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str, int]:
         self.calls.append(("update_weights_from_disk", model_path))
@@ -114,10 +139,12 @@ def test_the_engine_starts_for_colocation_and_seeds_every_request(sglang):
         "random_seed": 3,
         "enable_deterministic_inference": True,
     }
-    first = engine.generate([[1, 2], [3], [4]], SAMPLING, stop_ids=[7], seed=11)
-    again = engine.generate([[1, 2], [3]], SAMPLING, stop_ids=[7], seed=11)
-    # One seed per request, the same for a request whatever its batch: its sample too.
-    assert [g.response_ids for g in again] == [g.response_ids for g in first[:2]]
+    first = engine.generate([[1, 2], [3], [4]], SAMPLING, stop_ids=[7], seeds=request_seeds(11, 0, 3))
+    # The same requests split over two engines of a data-parallel group (requests 0 and
+    # 1-2): one seed per request, the same wherever it runs, so the same samples.
+    head = engine.generate([[1, 2]], SAMPLING, stop_ids=[7], seeds=request_seeds(11, 0, 1))
+    tail = engine.generate([[3], [4]], SAMPLING, stop_ids=[7], seeds=request_seeds(11, 1, 2))
+    assert [g.response_ids for g in head + tail] == [g.response_ids for g in first]
     assert len({tuple(g.response_ids) for g in first}) == 3
     assert first[0].logprobs == [-0.5, -0.25] and first[0].finish_reason == "stop"
 
@@ -128,7 +155,7 @@ def test_after_a_release_the_weights_are_loaded_again_before_generating(sglang):
     engine = sglang()
     engine.load(Path("/policies/v0"))
     engine.offload()
-    engine.generate([[1]], SAMPLING, stop_ids=[], seed=0)
+    engine.generate([[1]], SAMPLING, stop_ids=[], seeds=[0])
     scripted = ScriptedEngine.instances[0]
     assert scripted.calls == [
         ("init", "/policies/v0"),
@@ -147,7 +174,7 @@ def test_a_new_policy_goes_in_once_whether_or_not_the_engine_was_released(sglang
     engine.load(Path("/policies/v1"))  # resident: one update
     engine.offload()
     engine.load(Path("/policies/v2"))  # released: resume, then the new weights, once
-    engine.generate([[1]], SAMPLING, stop_ids=[], seed=0)
+    engine.generate([[1]], SAMPLING, stop_ids=[], seeds=[0])
     calls = ScriptedEngine.instances[0].calls
     assert [c for c in calls if c[0] == "update_weights_from_disk"] == [
         ("update_weights_from_disk", "/policies/v1"),
@@ -188,4 +215,64 @@ def test_an_aborted_request_is_an_error_not_an_empty_response(sglang, monkeypatc
 
     monkeypatch.setattr(scripted, "generate", aborting)
     with pytest.raises(RuntimeError, match="aborted a request.*out of memory"):
-        engine.generate([[1]], SAMPLING, stop_ids=[], seed=0)
+        engine.generate([[1]], SAMPLING, stop_ids=[], seeds=[0])
+
+
+def test_an_updates_weights_go_in_from_memory_in_a_weight_update_session(sglang):
+    """Resident: the weights go in at once, inside SGLang 0.5.21's session, the cache
+    flushed after; nothing is read from disk."""
+    engine = sglang()
+    engine.load(Path("/policies/v0"))
+    engine.set_weights({"w": 1, "b": 2})
+    engine.generate([[1]], SAMPLING, stop_ids=[], seeds=[0])
+    calls = ScriptedEngine.instances[0].calls
+    assert calls[1:] == [
+        ("begin_weight_update", "all"),
+        ("update_weights_from_tensor", ["w", "b"]),
+        ("end_weight_update", None),
+        ("flush_cache", None),
+        ("generate", "tensors:1,2"),
+    ]
+
+
+def test_weights_handed_over_while_released_go_in_at_resume_not_from_disk(sglang):
+    """The update runs while the engine's memory is released (the weights thrown away):
+    the engine keeps the new weights until it resumes, then pushes them instead of
+    reloading the old policy from disk."""
+    engine = sglang()
+    engine.load(Path("/policies/v0"))
+    engine.offload()
+    engine.set_weights({"w": 5})
+    assert ("update_weights_from_tensor", ["w"]) not in ScriptedEngine.instances[0].calls
+    engine.generate([[1]], SAMPLING, stop_ids=[], seeds=[0])
+    calls = ScriptedEngine.instances[0].calls
+    assert calls[3:] == [
+        ("resume", ["weights"]),
+        ("begin_weight_update", "all"),
+        ("update_weights_from_tensor", ["w"]),
+        ("end_weight_update", None),
+        ("flush_cache", None),
+        ("resume", ["kv_cache", "cuda_graph"]),
+        ("generate", "tensors:5"),
+    ]
+    assert not any(call[0] == "update_weights_from_disk" for call in calls)
+
+
+def test_a_refused_in_memory_weight_update_raises(sglang):
+    engine = sglang()
+    engine.load(Path("/policies/v0"))
+    ScriptedEngine.instances[0].refuse_weights = True
+    with pytest.raises(RuntimeError, match="could not take the weights: shape mismatch"):
+        engine.set_weights({"w": 1})
+
+
+def test_an_sglang_without_weight_update_sessions_takes_the_weights_directly(sglang, monkeypatch):
+    """SGLang before 0.5.21 has no weight-update session: the engine feature-detects it."""
+    engine = sglang()
+    engine.load(Path("/policies/v0"))
+    scripted = ScriptedEngine.instances[0]
+    scripted.session = True  # an old release: no session needed, and none offered
+    monkeypatch.delattr(ScriptedEngine, "begin_weight_update")
+    monkeypatch.delattr(ScriptedEngine, "end_weight_update")
+    engine.set_weights({"w": 3})
+    assert scripted.calls[1:] == [("update_weights_from_tensor", ["w"]), ("flush_cache", None)]

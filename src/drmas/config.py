@@ -415,7 +415,14 @@ class RayConfig(Section):
     pool_size: int = Field(1, ge=1)
     """Accelerators in the pool that all worker groups share."""
     max_resident: int = Field(1, ge=1)
-    """Worker groups whose weights may be resident in the pool at once."""
+    """Worker groups whose engines may be resident in the pool at once (on every slot)."""
+    slots: dict[str, list[int]] = {}
+    """Worker group -> the pool slots (0 .. pool_size-1) it runs on; a group not named runs
+    on all of them (time-shared with the others, as in the paper). On each of its slots a
+    group has one worker: its engine for the rollout and its training shard for the update."""
+    idle_timeout_s: float = Field(1800.0, gt=0)
+    """A run's pool (named, detached Ray actors that outlive each stage) frees itself after
+    this many seconds without a call; the next stage rebuilds it from the store."""
 
 
 class DrmasConfig(Section):
@@ -454,7 +461,7 @@ class DrmasConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> DrmasConfig:
-        problems = self._agent_problems() + self._worker_group_problems()
+        problems = self._agent_problems() + self._worker_group_problems() + self._slot_problems()
         if self.rollout.group_size < 2:
             problems.append(
                 f"rollout.group_size: is {self.rollout.group_size}, but advantage "
@@ -532,6 +539,29 @@ class DrmasConfig(Section):
                     )
         return problems
 
+    def _slot_problems(self) -> list[str]:
+        try:
+            names = list(self._group_agents())
+        except ValueError:
+            return []  # reported by _worker_group_problems
+        problems = []
+        for wg, slots in self.ray.slots.items():
+            if wg not in names:
+                problems.append(
+                    f"ray.slots: unknown worker group {wg!r}{_did_you_mean(wg, names)} "
+                    f"(worker groups: {', '.join(names)})"
+                )
+            elif not slots:
+                problems.append(f"ray.slots.{wg}: is empty; name at least one slot (or leave {wg!r} out: all slots)")
+            elif bad := [s for s in slots if not 0 <= s < self.ray.pool_size]:
+                problems.append(
+                    f"ray.slots.{wg}: slot(s) {bad} outside the pool (ray.pool_size {self.ray.pool_size}: 0-"
+                    f"{self.ray.pool_size - 1})"
+                )
+            elif len(set(slots)) != len(slots):
+                problems.append(f"ray.slots.{wg}: {slots} names a slot twice")
+        return problems
+
     def _group_agents(self) -> dict[str, list[AgentConfig]]:
         """Worker-group name -> its agents, in config order."""
         by_name = {agent.name: agent for agent in self.agents}
@@ -603,6 +633,10 @@ class DrmasConfig(Section):
             if group.name == name:
                 return group
         raise KeyError(f"no worker group {name!r}; worker groups: {', '.join(g.name for g in self.worker_groups())}")
+
+    def slots_of(self, wg: str) -> list[int]:
+        """The pool slots worker group ``wg`` runs on (``ray.slots``; default: all)."""
+        return sorted(self.ray.slots.get(wg, range(self.ray.pool_size)))
 
     def agent_to_worker_group(self) -> dict[str, str]:
         """Agent name -> worker-group name."""

@@ -175,7 +175,17 @@ def run_iteration(
             f"policy/{wg}",
             contract,
             lambda key, wg=wg: update(
-                config, store, run_id, i, wg, policies[wg], optims[wg], reference[wg], overwrite=True, cache_key=key
+                config,
+                store,
+                run_id,
+                i,
+                wg,
+                policies[wg],
+                optims[wg],
+                reference[wg],
+                overwrite=True,
+                cache_key=key,
+                pool=pool(),
             ),
         )
         out.stages[f"optim/{wg}"] = contract.optim_output(config)
@@ -225,7 +235,7 @@ def train(
         initial = starting_policies(config, store, run_id)
         policies = initial if start.next_iteration == 0 else start.policies
         optims = start.optims
-        with PoolOnDemand(config, store, cache_dir) as pool:
+        with PoolOnDemand(config, store, cache_dir, run=(experiment, run_id)) as pool:
             if config.eval.every and start.next_iteration == 0:
                 evaluation = EvaluateContract(f"{run_path(experiment, run_id)}/init", initial)
                 path, key = evaluation.output(config), cache_key(config, store, evaluation)
@@ -248,6 +258,7 @@ def train(
                 )
                 last_checkpoint = store.uri(result.stages["checkpoint"])
                 log.info(_summary_line(i, metrics, config.eval.k))
+            pool.release()  # the run is complete: its pool goes
     except BaseException:
         tracker.finish("KILLED")
         raise
@@ -317,7 +328,7 @@ def rerun(
     else:
         policies = {wg: PolicyRef(policy_path(experiment, run_id, iteration - 1, wg)) for wg in groups}
         optims = {wg: PolicyRef(optim_path(experiment, run_id, iteration - 1, wg)) for wg in groups}
-    with PoolOnDemand(config, store, cache_dir) as pool:
+    with PoolOnDemand(config, store, cache_dir, run=(experiment, run_id)) as pool:
         force = {f"policy/{wg}" for wg in groups} if stage_name == "update" else {stage_name}
         return run_iteration(config, store, run_id, iteration, policies, optims, initial, pool, force=frozenset(force))
 

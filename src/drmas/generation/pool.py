@@ -1,20 +1,38 @@
-"""The worker-group pool on Ray: one actor per worker group over one shared device pool.
+"""The shared pool on Ray: ``ray.pool_size`` slots, and on each slot one worker per worker
+group that runs there, holding both its inference engine and its training shard.
 
-All worker groups live in one placement group over the pool (GPU bundles on a cluster; a
-custom resource such as ``pool_slot`` stands in for accelerators on CPU), as in the
-reference code where every model shares the same GPUs. The scheduler keeps at most
-``ray.max_resident`` worker groups' weights resident and offloads the least recently used
-one before making another resident, so N models fit where fewer would.
+Slots are the bundles of one placement group (a GPU each on a cluster, asked for with
+``num_gpus``; a custom resource such as ``pool_slot`` stands in for accelerators on CPU),
+as in the reference code, where every model shares the same GPUs. A worker group runs on
+all slots by default (``ray.slots`` may partition them); its workers on one slot share it
+with the other groups' workers there (each asks for 1/k of the slot).
+
+- **Rollout.** A group's batched prompts are split over its workers (data-parallel
+  generation), one seed per request, results in request order. At most
+  ``ray.max_resident`` groups' engines are resident; the least recently used is offloaded
+  before another is made resident, so N models fit where fewer would.
+- **Update.** ``train`` runs a stage's per-rank function in every worker of the group at
+  once: the workers are the ranks of the group's process group (gloo on CPU; nccl for GPU
+  tensors), the engines on the group's slots release their memory first, and the function
+  hands the new weights to each worker's engine in memory. No update runs in a driver.
+- **A pool that outlives its stages.** A run's pool (``run`` given) is named and detached:
+  its placement group and workers are found again, warm, by the next stage of the run,
+  embedded or a Kubeflow task joining the cluster; ``free_pool`` (``drmas pool down``, the
+  end of a run, or ``ray.idle_timeout_s`` without a call) removes it. A pool without a run
+  (``drmas eval``) lives as long as the object.
 
 Ray starts locally by default (bound to 127.0.0.1) and joins a cluster when
 ``ray.address`` is set (e.g. the KubeRay head service).
 
-A worker-group actor that dies (its process killed, its node lost) is restarted by Ray
-(up to ``ACTOR_RESTARTS`` times per pool); the pool sees the failed call (or the restarted
-actor's ``PolicyNotLoaded``), reloads the policy the actor held and repeats the call.
-Generation is seeded per call, so the repeated call returns what the
-first would have: the stage completes as if nothing happened. Past the limit the call
-fails with ``WorkerGroupDied`` naming the worker group, and the stage writes nothing.
+A worker that dies (its process killed, its node lost) is restarted by Ray (up to
+``ACTOR_RESTARTS`` times per pool); the pool sees the failed call (or the restarted
+worker's ``PolicyNotLoaded``), reloads the policy the worker held and repeats the call.
+Requests are seeded one by one, so the repeated call returns what the first would have:
+the stage completes as if nothing happened. A worker lost during an update takes its
+whole group's process group down with it: the group's workers are rebuilt from the store
+(the source of truth) and the update runs again; its result is the undisturbed one. Past
+the limit the call fails with ``WorkerGroupDied`` naming the worker group, and the stage
+writes nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +41,9 @@ import logging
 import os
 import tempfile
 import time
+import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +51,18 @@ from drmas.config import DrmasConfig, SamplingConfig
 from drmas.generation.workers import GenerationResult, PolicyNotLoaded, PolicyRef, WorkerGroupRuntime
 from drmas.infra.store import Store
 
-__all__ = ["ACTOR_RESTARTS", "RAY_ADDRESS", "PoolOnDemand", "RayPool", "WorkerGroupDied", "connect_ray", "slot_request"]
+__all__ = [
+    "ACTOR_RESTARTS",
+    "NAMESPACE",
+    "RAY_ADDRESS",
+    "PoolOnDemand",
+    "RayPool",
+    "WorkerGroupDied",
+    "connect_ray",
+    "free_pool",
+    "pool_status",
+    "slot_request",
+]
 
 log = logging.getLogger("drmas")
 RAY_ADDRESS = "RAY_ADDRESS"
@@ -40,6 +71,10 @@ ACTOR_RESTARTS = 3
 """How many times, per pool, a dead worker-group actor is restarted before a stage fails."""
 ACTOR_RESTART_TIMEOUT_S = 120.0
 """How long to wait for Ray to bring a dead actor back (it reloads torch and the model)."""
+COLLECTIVE_TIMEOUT_S = 600.0
+"""How long a rank of an update waits for the others in a collective before failing."""
+NAMESPACE = "drmas"
+"""The Ray namespace of every run's named pool workers."""
 
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -113,51 +148,188 @@ def _ray_temp_dir(preferred: Path | None) -> Path:
     return Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / f"drmas-ray-{os.getuid()}"
 
 
+class _RemovedWithItsPlacementGroup(logging.Filter):
+    """Ray warns that a restartable detached actor in a placement group dies with the
+    group: for a run's pool workers that is the point (``free_pool`` removes both)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "restartable detached actor with a placement group" not in record.getMessage()
+
+
+logging.getLogger("ray.actor").addFilter(_RemovedWithItsPlacementGroup())
+
+
+def pool_name(experiment: str, run_id: str) -> str:
+    """The name of a run's placement group, and the prefix of its workers' names."""
+    return f"drmas.{experiment}.{run_id}"
+
+
+def _worker_name(prefix: str, wg: str, slot: int) -> str:
+    return f"{prefix}.{wg}.slot{slot}"
+
+
+def _named_placement_group(name: str):
+    """The live placement group called ``name`` (looked up in the cluster's table: names
+    of placement groups are scoped to a namespace, and stage processes join with their own)."""
+    from ray._raylet import PlacementGroupID  # noqa: PLC0415
+    from ray.util.placement_group import PlacementGroup, placement_group_table  # noqa: PLC0415
+
+    for pg_id, entry in placement_group_table().items():
+        if entry.get("name") == name and entry.get("state") in ("CREATED", "PENDING", "RESCHEDULING"):
+            return PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id)))
+    return None
+
+
+def _run_workers(prefix: str) -> list[str]:
+    import ray  # noqa: PLC0415
+
+    return sorted(
+        entry["name"]
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix + ".")
+    )
+
+
+def pool_status(experiment: str, run_id: str) -> list[dict[str, object]]:
+    """Each live worker of a run's pool: its name and what it holds (``drmas pool status``)."""
+    import ray  # noqa: PLC0415
+
+    found = []
+    for name in _run_workers(pool_name(experiment, run_id)):
+        try:
+            status = ray.get(ray.get_actor(name, namespace=NAMESPACE).status.remote(), timeout=30)
+        except (ValueError, ray.exceptions.RayError) as error:
+            status = {"error": type(error).__name__}
+        found.append({"worker": name, **status})
+    return found
+
+
+def free_pool(experiment: str, run_id: str, keep: object = None) -> int:
+    """Kill a run's pool workers and remove its placement group; returns how many workers
+    were killed. ``keep``: an actor handle to kill last (the caller itself)."""
+    import ray  # noqa: PLC0415
+    from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
+
+    prefix = pool_name(experiment, run_id)
+    killed = 0
+    for name in _run_workers(prefix):
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            continue  # gone meanwhile
+        if keep is not None and handle._actor_id == keep._actor_id:
+            continue
+        ray.kill(handle, no_restart=True)
+        killed += 1
+    placement = _named_placement_group(prefix)
+    if placement is not None:
+        remove_placement_group(placement)
+    if keep is not None:
+        ray.kill(keep, no_restart=True)
+        killed += 1
+    return killed
+
+
 class RayPool:
-    """Worker-group actors and the residency scheduler. Use as a context manager."""
+    """The pool's workers, the residency scheduler and the data-parallel update. Use as a
+    context manager; ``run=(experiment, run_id)`` names it for the run (see the module)."""
 
     def __init__(
-        self, config: DrmasConfig, store: Store, cache_dir: Path | None = None, threads: int | None = None
+        self,
+        config: DrmasConfig,
+        store: Store,
+        cache_dir: Path | None = None,
+        threads: int | None = None,
+        run: tuple[str, str] | None = None,
     ) -> None:
-        import ray  # noqa: PLC0415
-        from ray.util.placement_group import placement_group  # noqa: PLC0415
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
-
         self.config = config
+        self.store_settings = store.settings()
+        self.cache_dir = str(cache_dir) if cache_dir else None
+        self.run = run
+        self.prefix = pool_name(*run) if run else f"drmas.pool-{uuid.uuid4().hex[:8]}"
         self.max_resident = config.ray.max_resident
         self.resident: OrderedDict[str, None] = OrderedDict()  # least recently used first
         self.loads = 0
         self.restarts = 0
+        self.started = 0
+        """Workers this pool object created (the others it found warm)."""
         self.policies: dict[str, PolicyRef] = {}
-        groups = config.worker_groups()
-        resource, slots = config.ray.pool_resource, config.ray.pool_size
-        self.placement = placement_group([{resource: 1.0}] * slots, strategy="PACK")
-        ray.get(self.placement.ready(), timeout=120)
-        per_slot = [sum(1 for i in range(len(groups)) if i % slots == s) for s in range(slots)]
+        self.formed: set[str] = set()
+        self.groups = {group.name: group for group in config.worker_groups()}
+        self.slots = {wg: config.slots_of(wg) for wg in self.groups}
+        self.threads = threads or os.cpu_count() or 1
+        self.placement = self._placement()
+        self.workers = {wg: [self._worker(wg, slot) for slot in self.slots[wg]] for wg in self.groups}
+        self._adopt_warm_state()
+
+    # -- building --------------------------------------------------------------------------
+
+    def _placement(self):
+        import ray  # noqa: PLC0415
+        from ray.util.placement_group import placement_group  # noqa: PLC0415
+
+        placement = _named_placement_group(self.prefix) if self.run else None
+        if placement is None:
+            bundles = [{self.config.ray.pool_resource: 1.0}] * self.config.ray.pool_size
+            detached = "detached" if self.run else None
+            placement = placement_group(bundles, strategy="PACK", name=self.prefix, lifetime=detached)
+        ray.get(placement.ready(), timeout=120)
+        return placement
+
+    def _worker(self, wg: str, slot: int):
+        """The worker of ``wg`` on ``slot``: found by name when the run's pool has it, else
+        created (detached for a run's pool, so that it outlives this stage)."""
+        import ray  # noqa: PLC0415
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
+
+        name = _worker_name(self.prefix, wg, slot)
+        if self.run:
+            try:
+                return ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                pass
+        group = self.groups[wg]
+        sharing = sum(1 for other in self.slots.values() if slot in other)
         actor_class = ray.remote(WorkerGroupRuntime)
-        threads = threads or os.cpu_count() or 1
-        self.actors = {
-            group.name: actor_class.options(
-                num_cpus=0,
-                **slot_request(resource, 1.0 / per_slot[index % slots]),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement, placement_group_bundle_index=index % slots
-                ),
-                name=None,
-                max_restarts=ACTOR_RESTARTS,
-            ).remote(
-                group.name,
-                store.settings(),
-                engine=config.rollout.engine,
-                dtype=group.spec.dtype if group.spec else "float32",
-                max_prompt_tokens=config.rollout.max_prompt_tokens,
-                truncation=config.rollout.truncation,
-                chat_template_kwargs=group.chat_template_kwargs,
-                cache_dir=str(cache_dir) if cache_dir else None,
-                threads=threads,
-            )
-            for index, group in enumerate(groups)
-        }
+        handle = actor_class.options(
+            num_cpus=0,
+            **slot_request(self.config.ray.pool_resource, 1.0 / sharing),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=slot),
+            name=name,
+            namespace=NAMESPACE,
+            lifetime="detached" if self.run else None,
+            get_if_exists=bool(self.run),
+            max_restarts=ACTOR_RESTARTS,
+        ).remote(
+            wg,
+            self.store_settings,
+            engine=self.config.rollout.engine,
+            dtype=group.spec.dtype if group.spec else "float32",
+            max_prompt_tokens=self.config.rollout.max_prompt_tokens,
+            truncation=self.config.rollout.truncation,
+            chat_template_kwargs=group.chat_template_kwargs,
+            cache_dir=self.cache_dir,
+            threads=max(1, self.threads // len(self.slots[wg])),
+        )
+        self.started += 1
+        if self.run:
+            handle.watch_idle.remote(self.config.ray.idle_timeout_s, *self.run)
+        return handle
+
+    def _adopt_warm_state(self) -> None:
+        """What found workers hold: resident engines, and process groups already formed."""
+        import ray  # noqa: PLC0415
+
+        if self.started == sum(len(w) for w in self.workers.values()):
+            return
+        for wg, workers in self.workers.items():
+            statuses = ray.get([w.status.remote() for w in workers])
+            if all(s["resident"] for s in statuses) and all(s["version"] for s in statuses):
+                self._mark_resident(wg)
+            if [(s["rank"], s["world"]) for s in statuses] == [(r, len(workers)) for r in range(len(workers))]:
+                self.formed.add(wg)
+        while len(self.resident) > self.max_resident:
+            self._offload(next(iter(self.resident)))
 
     def __enter__(self) -> RayPool:
         return self
@@ -166,60 +338,180 @@ class RayPool:
         self.close()
 
     def close(self) -> None:
-        import ray  # noqa: PLC0415
-        from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
+        """Leave the pool: a run's pool stays for the run's next stage; another is removed."""
+        if not self.run:
+            import ray  # noqa: PLC0415
+            from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
 
-        for actor in self.actors.values():
-            ray.kill(actor)
-        self.actors = {}
-        remove_placement_group(self.placement)
+            for workers in self.workers.values():
+                for worker in workers:
+                    ray.kill(worker, no_restart=True)
+            remove_placement_group(self.placement)
+        self.workers = {}
+
+    # -- rollout ---------------------------------------------------------------------------
 
     def load(self, policies: dict[str, PolicyRef]) -> None:
-        """Point every worker group at its policy version; actors reload only on change.
+        """Point every worker group at its policy version; workers reload only on change.
 
         Loading makes a worker group resident, so the residency limit holds here too.
         """
-
-        missing = set(self.actors) - set(policies)
+        missing = set(self.workers) - set(policies)
         if missing:
             raise ValueError(f"no policy given for worker group(s): {', '.join(sorted(missing))}")
         for wg, policy in policies.items():
             self._make_room(wg)
             self.policies[wg] = policy
-            self.loads += int(self._call(wg, "load_policy", policy))
+            self.loads += max(self._each(wg, "load_policy", policy))
             self._mark_resident(wg)
 
     def generate(self, wg: str, messages: list[str], sampling: SamplingConfig, seed: int) -> list[GenerationResult]:
+        """``messages`` split over the group's workers in order; request i is seeded by
+        (``seed``, i) wherever it runs. Results in request order."""
         self._make_resident(wg)
-        return self._call(wg, "generate", messages, sampling, seed)
+        workers = len(self.workers[wg])
+        bounds = [round(len(messages) * k / workers) for k in range(workers + 1)]
+        chunks = {i: (bounds[i], messages[bounds[i] : bounds[i + 1]]) for i in range(workers)}
+        parts = self._each(wg, "generate", sampling=sampling, seed=seed, per_worker=chunks)
+        return [result for part in parts for result in part]
 
-    def status(self) -> dict[str, dict[str, object]]:
-        return {wg: self._call(wg, "status") for wg in self.actors}
+    def status(self) -> dict[str, list[dict[str, object]]]:
+        """Worker group -> the status of each of its workers (by rank)."""
+        return {wg: self._each(wg, "status") for wg in self.workers}
 
-    def _call(self, wg: str, method: str, *args: object):
-        """Call an actor's method; if the actor died, let Ray restart it, bring it back to
-        the state the pool believes it is in, and call again."""
+    # -- update ----------------------------------------------------------------------------
+
+    def train(self, wg: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(worker, *args)`` in every worker of ``wg`` at once, as the ranks of its
+        process group, after the engines on its slots released their memory; returns rank
+        0's result. A worker lost meanwhile: the group is rebuilt and ``fn`` runs again."""
         import ray  # noqa: PLC0415
 
-        for _ in range(ACTOR_RESTARTS + 2):
+        while True:
+            self._release_slots(wg)
+            self._form_group(wg)
+            refs = [worker.run.remote(fn, *args) for worker in self.workers[wg]]
             try:
-                return ray.get(getattr(self.actors[wg], method).remote(*args))
+                return _first_failure_or_all(refs)[0]
+            except ray.exceptions.RayActorError as error:
+                self.restarts += 1
+                if self.restarts > ACTOR_RESTARTS:
+                    self._give_up(wg, "the update", error)
+                log.warning(
+                    "worker group %s: a worker died during the update; rebuilding its %d worker(s) from the "
+                    "store and updating again (%d/%d)",
+                    wg,
+                    len(refs),
+                    self.restarts,
+                    ACTOR_RESTARTS,
+                )
+                self._rebuild(wg)
+            except Exception:
+                if not _all_done(refs):  # a rank failed alone: the others wait in a collective
+                    self._rebuild(wg)
+                raise
+
+    def _release_slots(self, wg: str) -> None:
+        """Offload every resident engine on ``wg``'s slots: the update gets their memory."""
+        mine = set(self.slots[wg])
+        for other in list(self.resident):
+            if mine & set(self.slots[other]):
+                self._offload(other)
+
+    def _form_group(self, wg: str) -> None:
+        """Make the group's workers the ranks of one process group, if they are not yet:
+        a file rendezvous when they share a node (nothing listens), else TCP at rank 0."""
+        import ray  # noqa: PLC0415
+
+        workers = self.workers[wg]
+        if wg in self.formed:
+            return
+        places = ray.get([worker.rendezvous.remote() for worker in workers])
+        if len({place["node"] for place in places}) == 1:
+            folder = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir())
+            method = f"file://{folder / f'drmas-pg-{uuid.uuid4().hex}'}"
+        else:
+            method = f"tcp://{places[0]['ip']}:{places[0]['port']}"
+        ray.get(
+            [
+                worker.join_group.remote(method, rank, len(workers), COLLECTIVE_TIMEOUT_S)
+                for rank, worker in enumerate(workers)
+            ]
+        )
+        self.formed.add(wg)
+
+    def _rebuild(self, wg: str) -> None:
+        """Replace the group's workers with fresh ones holding its policy (from the store)."""
+        import ray  # noqa: PLC0415
+
+        for worker in self.workers[wg]:
+            ray.kill(worker, no_restart=True)
+        self.resident.pop(wg, None)
+        self.formed.discard(wg)
+        deadline = time.monotonic() + ACTOR_RESTART_TIMEOUT_S
+        while self.run and any(_worker_name(self.prefix, wg, s) in _run_workers(self.prefix) for s in self.slots[wg]):
+            if time.monotonic() > deadline:
+                raise WorkerGroupDied(f"worker group {wg!r}: its killed workers did not go away")
+            time.sleep(0.1)  # a name is free again only once its actor is dead
+        self.workers[wg] = [self._worker(wg, slot) for slot in self.slots[wg]]
+        if wg in self.policies:
+            self._each(wg, "load_policy", self.policies[wg])
+            self._each(wg, "offload")
+
+    # -- calls, restarts and residency ----------------------------------------------------
+
+    def _each(self, wg: str, method: str, *args: object, per_worker: dict | None = None, **kwargs: object) -> list:
+        """``method`` on every worker of ``wg`` at once (``per_worker``: rank -> (first,
+        messages), the generate split); results by rank. A call that fails because its
+        worker died is repeated through ``_call``, which brings the worker back."""
+        import ray  # noqa: PLC0415
+
+        def arguments(rank: int) -> tuple[tuple, dict]:
+            if per_worker is None:
+                return args, kwargs
+            first, messages = per_worker[rank]
+            return (messages,), {**kwargs, "first": first}
+
+        refs = []
+        for rank, worker in enumerate(self.workers[wg]):
+            call_args, call_kwargs = arguments(rank)
+            refs.append(getattr(worker, method).remote(*call_args, **call_kwargs))
+        results = []
+        for rank, ref in enumerate(refs):
+            try:
+                results.append(ray.get(ref))
             except (ray.exceptions.RayActorError, PolicyNotLoaded) as error:
                 if isinstance(error, PolicyNotLoaded) and wg not in self.policies:
                     raise  # a caller's mistake, not a restart
+                call_args, call_kwargs = arguments(rank)
+                results.append(self._call(wg, rank, method, *call_args, **call_kwargs))
+        return results
+
+    def _call(self, wg: str, rank: int, method: str, *args: object, **kwargs: object):
+        """Call one worker's method; if the worker died, let Ray restart it, bring it back to
+        the state the pool believes it is in, and call again."""
+        import ray  # noqa: PLC0415
+
+        failure: Exception | None = None
+        for _ in range(ACTOR_RESTARTS + 2):
+            try:
+                return ray.get(getattr(self.workers[wg][rank], method).remote(*args, **kwargs))
+            except (ray.exceptions.RayActorError, PolicyNotLoaded) as error:
+                if isinstance(error, PolicyNotLoaded) and wg not in self.policies:
+                    raise
                 failure = error
-                if self._came_back_empty(wg, method, error):
-                    self._restore(wg, method)
+                if self._came_back_empty(wg, rank, method, error):
+                    self._restore(wg, rank, method)
         self._give_up(wg, method, failure)
 
-    def _came_back_empty(self, wg: str, method: str, error: Exception) -> bool:
-        """Wait (bounded) until the actor answers again; True if it is a restarted, empty one."""
+    def _came_back_empty(self, wg: str, rank: int, method: str, error: Exception) -> bool:
+        """Wait (bounded) until the worker answers again; True if it is a restarted, empty one."""
         import ray  # noqa: PLC0415
 
         deadline = time.monotonic() + ACTOR_RESTART_TIMEOUT_S
         while True:
             try:
-                status = ray.get(self.actors[wg].status.remote(), timeout=ACTOR_RESTART_TIMEOUT_S)
+                status = ray.get(self.workers[wg][rank].status.remote(), timeout=ACTOR_RESTART_TIMEOUT_S)
                 break
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as again:
                 if isinstance(again, ray.exceptions.ActorDiedError) or time.monotonic() > deadline:
@@ -228,6 +520,7 @@ class RayPool:
         if status["version"] is not None or wg not in self.policies:
             return False
         self.restarts += 1
+        self.formed.discard(wg)  # the restarted worker left its process group
         if self.restarts > ACTOR_RESTARTS:
             self._give_up(wg, method, error)
         log.warning(
@@ -239,55 +532,90 @@ class RayPool:
         )
         return True
 
-    def _give_up(self, wg: str, method: str, error: Exception) -> None:
-        reason = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+    def _give_up(self, wg: str, method: str, error: Exception | None) -> None:
+        text = str(error) if error is not None else ""
+        reason = text.splitlines()[0][:300] if text else type(error).__name__
         raise WorkerGroupDied(
             f"worker group {wg!r}: its Ray actor died during {method} and could not be brought back "
             f"({self.restarts} restart(s) so far; {reason}); the stage stopped and wrote nothing"
         ) from None
 
-    def _restore(self, wg: str, method: str) -> None:
-        """Bring a restarted actor back to the state the pool believes it is in: holding its
-        policy, and offloaded unless resident (or about to be made so by ``method``)."""
+    def _restore(self, wg: str, rank: int, method: str) -> None:
+        """Bring a restarted worker back to the state the pool believes it is in: holding
+        its policy, and offloaded unless resident (or about to be made so by ``method``)."""
         if method == "load_policy":
             return
-        self._call(wg, "load_policy", self.policies[wg])
+        self._call(wg, rank, "load_policy", self.policies[wg])
         if wg not in self.resident and method not in ("offload", "resume"):
-            self._call(wg, "offload")
+            self._call(wg, rank, "offload")
 
     def _make_resident(self, wg: str) -> None:
         if wg in self.resident:
             self.resident.move_to_end(wg)
             return
         self._make_room(wg)
-        self._call(wg, "resume")
+        self._each(wg, "resume")
         self._mark_resident(wg)
 
     def _make_room(self, wg: str) -> None:
         while wg not in self.resident and len(self.resident) >= self.max_resident:
-            evicted, _ = self.resident.popitem(last=False)
-            self._call(evicted, "offload")
+            self._offload(next(iter(self.resident)))
+
+    def _offload(self, wg: str) -> None:
+        self.resident.pop(wg, None)
+        self._each(wg, "offload")
 
     def _mark_resident(self, wg: str) -> None:
         self.resident[wg] = None
         self.resident.move_to_end(wg)
 
 
+def _first_failure_or_all(refs: list) -> list:
+    """Every result, or the first failure as soon as it happens (the other ranks of a
+    collective would wait for the failed one until their timeout)."""
+    import ray  # noqa: PLC0415
+
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready[0])
+    return ray.get(refs)
+
+
+def _all_done(refs: list) -> bool:
+    import ray  # noqa: PLC0415
+
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=5.0)
+    return not pending
+
+
 class PoolOnDemand:
-    """The Ray pool, started on first use: a rerun that recomputes nothing starts no Ray."""
+    """The Ray pool, started on first use: a rerun that recomputes nothing starts no Ray.
 
-    def __init__(self, config: DrmasConfig, store: Store, cache_dir: Path | None) -> None:
-        self.config, self.store, self.cache_dir = config, store, cache_dir
-        self.pool = None
+    ``run=(experiment, run_id)``: the run's named pool, found warm when an earlier stage
+    left it; ``release()`` frees it (the end of the run)."""
+
+    def __init__(
+        self, config: DrmasConfig, store: Store, cache_dir: Path | None, run: tuple[str, str] | None = None
+    ) -> None:
+        self.config, self.store, self.cache_dir, self.run = config, store, cache_dir, run
+        self.pool: RayPool | None = None
         self.started_ray = False
+        self.release_on_exit = False
 
-    def __call__(self):
+    def __call__(self) -> RayPool:
         if self.pool is None:
             self.started_ray = connect_ray(self.config, self.cache_dir / "ray" if self.cache_dir else None)
             self.pool = RayPool(
-                self.config, self.store, cache_dir=self.cache_dir / "policies" if self.cache_dir else None
+                self.config, self.store, cache_dir=self.cache_dir / "policies" if self.cache_dir else None, run=self.run
             )
+            if self.pool.started:
+                log.info("pool: started %d worker(s) on %d slot(s)", self.pool.started, self.config.ray.pool_size)
         return self.pool
+
+    def release(self) -> None:
+        """Free the run's pool when this object is left (the run is complete)."""
+        self.release_on_exit = True
 
     def __enter__(self) -> PoolOnDemand:
         return self
@@ -295,6 +623,8 @@ class PoolOnDemand:
     def __exit__(self, *exc: object) -> None:
         if self.pool is not None:
             self.pool.close()
+            if self.run and self.release_on_exit:
+                free_pool(*self.run)
         if self.started_ray:
             import ray  # noqa: PLC0415
 

@@ -1,27 +1,42 @@
-"""A worker group's rollout side: its tokenizer, its engine, and the policy version it holds.
+"""A worker of the pool: one worker group on one slot, its engine and its training shard.
 
-``WorkerGroupRuntime`` runs inside a Ray actor (one per worker group) or in-process. It
-turns agent prompts (text) into chat-formatted token ids with ITS OWN tokenizer and its
-model's chat-template variables, so a heterogeneous team (different models, different
-tokenizers, Qwen3 with thinking off beside a model without that switch) just works; an
-over-long prompt is cut as ``rollout.truncation`` says. It reloads
-weights only when asked for a policy version other than the one it holds: the store is
-the source of truth, the actor a cache.
+``WorkerGroupRuntime`` runs inside a Ray actor (one per worker group and slot) or
+in-process. For the rollout it turns agent prompts (text) into chat-formatted token ids
+with ITS OWN tokenizer and its model's chat-template variables, so a heterogeneous team
+(different models, different tokenizers, Qwen3 with thinking off beside a model without
+that switch) just works; an over-long prompt is cut as ``rollout.truncation`` says. It
+reloads weights only when asked for a policy version other than the one it holds: the
+store is the source of truth, the actor a cache.
+
+For the update it is one rank of its worker group's process group (``join_group``): the
+pool runs the update's per-rank function in it (``run``), and that function hands the new
+weights to the engine in memory (``adopt``), so the next rollout generates from them
+without reading the store.
 """
 
 from __future__ import annotations
 
+import datetime
+import gc
 import hashlib
 import os
 import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from drmas.config import PolicyError, SamplingConfig, StoreConfig, TemplateVariables
-from drmas.generation.engines import make_engine
+from drmas.generation.engines import make_engine, request_seeds
 from drmas.infra.layout import PolicyRef
-from drmas.infra.store import Store
+from drmas.infra.store import Artifact, Store
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["GenerationResult", "PolicyNotLoaded", "PolicyRef", "WorkerGroupRuntime", "truncate_prompt"]
 
@@ -71,18 +86,47 @@ class WorkerGroupRuntime:
         self.version: str | None = None
         self.tokenizer = None
         self.stop_ids: list[int] = []
+        self.rank, self.world = 0, 1
+        self.last_used = time.monotonic()
+        self.busy = False
+
+    @contextmanager
+    def _in_use(self) -> Iterator[None]:
+        """Marks a call: an idle pool frees itself (``watch_idle``), a busy one never."""
+        self.busy = True
+        try:
+            yield
+        finally:
+            self.busy, self.last_used = False, time.monotonic()
+
+    def watch_idle(self, timeout_s: float, experiment: str, run_id: str) -> None:
+        """Free the run's whole pool (every worker, the placement group) once this worker
+        has had no call for ``timeout_s``: a pool that outlives its stages must not outlive
+        its run forever (a failed pipeline, a killed runner). Every worker of a run is
+        called in every iteration, so the first to notice speaks for all."""
+
+        def watch() -> None:
+            while True:
+                time.sleep(min(timeout_s / 4, 30.0))
+                if not self.busy and time.monotonic() - self.last_used > timeout_s:
+                    import ray  # noqa: PLC0415
+
+                    from drmas.generation.pool import free_pool  # noqa: PLC0415 - the pool imports this module
+
+                    free_pool(experiment, run_id, keep=ray.get_runtime_context().current_actor)
+                    return
+
+        threading.Thread(target=watch, name="drmas-idle-watch", daemon=True).start()
 
     # -- policy versions -----------------------------------------------------------------
 
     def load_policy(self, policy: PolicyRef) -> bool:
         """Make ``policy`` the held version; returns False when it already was (no reload)."""
-        store = Store.from_config(self.store_config)
-        artifact = store.open(policy.artifact)
-        prefix = policy.prefix.rstrip("/") + "/" if policy.prefix else ""
-        entries = sorted((n, e.sha256) for n, e in artifact.files.items() if n.startswith(prefix))
-        if not any(name == f"{prefix}config.json" for name, _ in entries):
-            raise FileNotFoundError(f"{artifact.uri} has no policy (config.json) under '{prefix}'")
-        version = hashlib.sha256(repr(entries).encode()).hexdigest()[:16]
+        with self._in_use():
+            return self._load_policy(policy)
+
+    def _load_policy(self, policy: PolicyRef) -> bool:
+        artifact, version = self._version_of(policy)
         if version == self.version:
             return False
         local = self.cache_dir / f"{self.name}-{version}"
@@ -102,6 +146,67 @@ class WorkerGroupRuntime:
         self.version = version
         return True
 
+    def adopt(self, weights: dict[str, torch.Tensor], policy: PolicyRef) -> None:
+        """Generate from ``weights`` from now on: the policy that an update just stored at
+        ``policy`` (whose version it becomes), handed over in memory. A worker that holds
+        no policy yet (an update rerun alone) keeps none: it reads the store when asked."""
+        if self.tokenizer is None:
+            return
+        _, version = self._version_of(policy)
+        self.engine.set_weights(weights)
+        self.version = version
+
+    def _version_of(self, policy: PolicyRef) -> tuple[Artifact, str]:
+        """The stored policy's artifact and version (a digest of its files' digests)."""
+        artifact = Store.from_config(self.store_config).open(policy.artifact)
+        prefix = policy.prefix.rstrip("/") + "/" if policy.prefix else ""
+        entries = sorted((n, e.sha256) for n, e in artifact.files.items() if n.startswith(prefix))
+        if not any(name == f"{prefix}config.json" for name, _ in entries):
+            raise FileNotFoundError(f"{artifact.uri} has no policy (config.json) under '{prefix}'")
+        return artifact, hashlib.sha256(repr(entries).encode()).hexdigest()[:16]
+
+    # -- the worker group's process group (data-parallel update) -------------------------
+
+    def rendezvous(self) -> dict[str, Any]:
+        """Where this worker is (node and address) and a free port on it: rank 0's answer
+        is where its group's process group meets."""
+        import ray  # noqa: PLC0415 - only inside an actor
+
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        return {"node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(), "port": port}
+
+    def join_group(self, init_method: str, rank: int, world: int, timeout_s: float) -> None:
+        """Become rank ``rank`` of a ``world``-process group (gloo on CPU; gloo for CPU
+        tensors and nccl for GPU tensors on a GPU), leaving any group joined before."""
+        import torch  # noqa: PLC0415
+        import torch.distributed as dist  # noqa: PLC0415
+
+        self.leave_group()
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+        os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed checks that a launcher set it; Ray gives one GPU
+        self.rank, self.world = rank, world
+
+    def leave_group(self) -> None:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        self.rank, self.world = 0, 1
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(self, *args)``: a stage's per-rank work (the update) in this worker, with
+        its engine and its process group at hand; the memory it used is returned after."""
+        try:
+            with self._in_use():
+                return fn(self, *args)
+        finally:
+            gc.collect()
+            _empty_device_cache()
+
     # -- lifecycle ---------------------------------------------------------------------
 
     def offload(self) -> None:
@@ -113,16 +218,29 @@ class WorkerGroupRuntime:
         self.engine.resume()
 
     def status(self) -> dict[str, object]:
-        return {"name": self.name, "version": self.version, "resident": self.engine.resident, "pid": os.getpid()}
+        return {
+            "name": self.name,
+            "version": self.version,
+            "resident": self.engine.resident,
+            "pid": os.getpid(),
+            "rank": self.rank,
+            "world": self.world,
+        }
 
     # -- generation --------------------------------------------------------------------
 
-    def generate(self, messages: list[str], sampling: SamplingConfig, seed: int) -> list[GenerationResult]:
-        """One batched generate: every message is one user turn, chat-formatted."""
+    def generate(
+        self, messages: list[str], sampling: SamplingConfig, seed: int, first: int = 0
+    ) -> list[GenerationResult]:
+        """One batched generate: every message is one user turn, chat-formatted; the
+        messages are requests ``first..`` of a call seeded ``seed`` (one seed per request)."""
         if self.tokenizer is None:
             raise PolicyNotLoaded(f"worker group {self.name!r}: generate() before load_policy()")
         prompts = [self._encode(message) for message in messages]
-        generations = self.engine.generate(prompts, sampling, self.stop_ids, seed)
+        with self._in_use():
+            generations = self.engine.generate(
+                prompts, sampling, self.stop_ids, request_seeds(seed, first, len(prompts))
+            )
         return [
             GenerationResult(
                 prompt_ids=prompt,
@@ -158,6 +276,13 @@ def truncate_prompt(ids: list[int], max_tokens: int, truncation: Literal["middle
         half = max_tokens // 2
         return ids[:half] + ids[len(ids) - (max_tokens - half) :]
     raise ValueError(f"unknown truncation {truncation!r}; expected 'middle' or 'left'")
+
+
+def _empty_device_cache() -> None:
+    import torch  # noqa: PLC0415
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _stop_ids(tokenizer) -> list[int]:

@@ -18,13 +18,17 @@
    each agent's share of the loss, from a side pass that leaves the update unchanged.
 5. Write the new policy (HF layout, safetensors) and the optimizer, scheduler and RNG state
    (safetensors + JSON, never pickle) as two artifacts, manifests last.
+6. Hand the new weights to the worker's inference engine in memory: the next rollout
+   generates from them without reading the store.
 
-Data-parallel: under ``torchrun`` each rank takes every world-size-th micro-batch (and
-empty ones, so that all ranks run as many) and the gradients are summed across ranks; the
-loss is normalised by the mini-batch's global token (or micro-batch) count, so 2 processes
-compute the same update as 1. Backends: plain torch (AdamW), or DeepSpeed (ZeRO 0-3 from
-config, the same torch optimizer, optionally offloaded to host memory; gloo on CPU, nccl
-on GPU).
+Where it runs: on the pool (``pool`` given: the runner and the Kubeflow task), every worker
+of the group runs ``update_rank`` as one rank of the group's process group (data-parallel
+over the group's slots); without a pool, this process is the only rank (or one of
+``torchrun``'s). Each rank takes every world-size-th micro-batch (and empty ones, so that all
+ranks run as many) and the gradients are summed across ranks; the loss is normalised by the
+mini-batch's global token (or micro-batch) count, so 2 ranks compute the same update as 1.
+Backends: plain torch (AdamW), or DeepSpeed (ZeRO 0-3 from config, the same torch
+optimizer, optionally offloaded to host memory; gloo on CPU, nccl on GPU).
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 
-from drmas.config import DrmasConfig
-from drmas.generation.workers import PolicyRef
+from drmas.config import DrmasConfig, StoreConfig
+from drmas.generation.pool import RayPool
+from drmas.generation.workers import PolicyRef, WorkerGroupRuntime
 from drmas.infra.layout import StageResult, optim_path, policy_path, stage_path
 from drmas.infra.schema import BATCH_SCHEMA
 from drmas.infra.store import CorruptArtifact, Store
@@ -54,7 +59,7 @@ from drmas.training.state import load_state, save_state
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["update"]
+__all__ = ["update", "update_rank"]
 
 
 def update(
@@ -68,9 +73,33 @@ def update(
     reference: PolicyRef | None = None,
     overwrite: bool = False,
     cache_key: str = "",
+    pool: RayPool | None = None,
 ) -> StageResult:
-    """Update one worker group; write its policy and optimizer state (rank 0 writes)."""
+    """Update one worker group on the pool's workers of ``wg`` (or, without a pool, in
+    this process); write its policy and optimizer state (rank 0 writes)."""
+    args = (config, store.settings(), run_id, iteration, wg, policy, optim, reference, overwrite, cache_key)
+    if pool is not None:
+        return pool.train(wg, update_rank, *args)
+    return update_rank(None, *args)
+
+
+def update_rank(
+    worker: WorkerGroupRuntime | None,
+    config: DrmasConfig,
+    store_settings: StoreConfig,
+    run_id: str,
+    iteration: int,
+    wg: str,
+    policy: PolicyRef,
+    optim: PolicyRef | None,
+    reference: PolicyRef | None,
+    overwrite: bool,
+    cache_key: str,
+) -> StageResult:
+    """One rank's share of the update (every rank of the group's process group runs it);
+    ``worker``: the pool worker it runs in, whose engine takes the new weights."""
     started = time.perf_counter()
+    store = Store.from_config(store_settings)
     rank, world = rank_and_world()
     group = next(g for g in config.worker_groups() if g.name == wg)
     experiment = config.experiment.name
@@ -108,6 +137,8 @@ def update(
                 out.write_json("metrics.json", metrics)
         if world > 1:  # every rank returns the artifact: it exists once they do
             dist.barrier()
+        if worker is not None:
+            worker.adopt(weights if weights is not None else model.state_dict(), PolicyRef(out_policy))
     return StageResult(out_policy, metrics)
 
 

@@ -73,7 +73,8 @@ class TrainEngine(Protocol):
         ...
 
     def full_weights(self) -> dict[str, torch.Tensor] | None:
-        """The weights for rank 0 to save, or None when the model's own parameters are whole."""
+        """The whole weights on every rank (host copies), or None when the model's own
+        parameters are whole."""
         ...
 
 
@@ -216,18 +217,17 @@ class DeepSpeedEngine:
 
     def full_weights(self) -> dict[str, torch.Tensor] | None:
         """ZeRO-3 keeps each parameter partitioned across ranks: gather one at a time (every
-        rank takes part) and keep a copy on rank 0, so no rank holds the whole model at once."""
+        rank takes part) and keep a host copy on every rank (rank 0 saves it, and each rank's
+        inference engine takes it), so no device holds the whole model at once."""
         if self.zero_stage < 3:
             return None
         from deepspeed.runtime.zero import GatheredParameters  # noqa: PLC0415
 
-        rank, _ = rank_and_world()
         weights: dict[str, torch.Tensor] = {}
         for name, param in self.model.named_parameters():
             with GatheredParameters([param]):
-                if rank == 0:
-                    weights[name] = param.detach().cpu().clone()
-        return weights if rank == 0 else None
+                weights[name] = param.detach().cpu().clone()
+        return weights
 
     def export_state(self) -> TrainState:
         """ZeRO-1/2/3 keep Adam's moments in flat partitions: gather them per parameter (a

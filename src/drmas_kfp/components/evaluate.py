@@ -13,6 +13,7 @@ def evaluate(
     results: Output[Dataset],
     metrics: Output[Metrics],
     label: str = "evaluate",
+    run_id: str = "",
     force: bool = False,
 ):
     """Evaluate the policy set ``policies`` (a checkpoint, or the warm start) on the eval
@@ -20,6 +21,7 @@ def evaluate(
     (``iter-{i}/evaluate``, or ``init/evaluate`` before training). An empty ``label``
     names the output after the eval settings, ``evaluate-{hash}``, as ``drmas eval`` does,
     so evaluations of one checkpoint on different eval sets do not overwrite each other.
+    ``run_id``: the run whose pool it uses (found warm); empty: a pool of its own.
     """
     from drmas.generation.pool import PoolOnDemand
     from drmas.generation.workers import PolicyRef
@@ -34,7 +36,8 @@ def evaluate(
     path, key = contract.output(config), cache_key(config, store, contract)
 
     def compute():
-        with PoolOnDemand(config, store, None) as pool:
+        run = (config.experiment.name, run_id) if run_id else None
+        with PoolOnDemand(config, store, None, run=run) as pool:
             evaluate_stage(config, store, path, refs, pool(), overwrite=True, cache_key=key)
 
     reuse_or_compute(store, path, key, force, compute, label=f"evaluate iter {iteration}")

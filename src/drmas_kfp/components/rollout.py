@@ -20,7 +20,8 @@ def rollout(
     checkpoint): ``iter-{i}/rollout/trajectories.parquet`` in the store.
 
     Joins the RayCluster named by ``ray.address`` (or ``RAY_ADDRESS``: the one Ray of a
-    kfp.local run) or starts a local Ray, and shuts down the Ray it started. The output is
+    kfp.local run) or starts a local Ray, and shuts down the Ray it started; the run's pool
+    of workers is found warm when an earlier task left it (a thin Ray driver). The output is
     reused when the store holds it with the same cache key (``drmas.stages.contracts``) unless
     ``force``.
     """
@@ -36,7 +37,7 @@ def rollout(
     path, key = contract.output(config), cache_key(config, store, contract)
 
     def compute():
-        with PoolOnDemand(config, store, None) as pool:
+        with PoolOnDemand(config, store, None, run=(config.experiment.name, run_id)) as pool:
             rollout_stage(config, store, run_id, iteration, refs, pool(), overwrite=True, cache_key=key)
 
     reuse_or_compute(store, path, key, force, compute, label=f"rollout iter {iteration}")

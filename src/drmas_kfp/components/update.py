@@ -22,7 +22,10 @@ def update(
     """Update worker group ``wg`` from its policy (and optimizer state) in the policy set
     ``policies`` on its rows of ``batch``; ``reference`` is the KL anchor (the run's
     starting policies). Writes ``iter-{i}/policy/{wg}`` and ``iter-{i}/optim/{wg}``
-    (reused when stored with the same cache key, unless ``force``)."""
+    (reused when stored with the same cache key, unless ``force``). A thin Ray driver: the
+    update runs data-parallel on the run's pool workers of ``wg``, which keep the new
+    weights for the next rollout."""
+    from drmas.generation.pool import PoolOnDemand
     from drmas.generation.workers import PolicyRef
     from drmas.stages.contracts import UpdateContract, cache_key
     from drmas.stages.io import METRICS_FILE, expect_input, open_stage, publish, publish_metrics, reuse_or_compute
@@ -39,7 +42,10 @@ def update(
     path, key = contract.output(config), cache_key(config, store, contract)
 
     def compute():
-        update_stage(config, store, run_id, iteration, wg, current, optim, anchor, overwrite=True, cache_key=key)
+        with PoolOnDemand(config, store, None, run=(config.experiment.name, run_id)) as pool:
+            update_stage(
+                config, store, run_id, iteration, wg, current, optim, anchor, overwrite=True, cache_key=key, pool=pool()
+            )
 
     reuse_or_compute(store, path, key, force, compute, label=f"policy/{wg} iter {iteration}")
     optim_out = contract.optim_output(config)

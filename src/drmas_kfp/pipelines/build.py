@@ -149,9 +149,11 @@ class _Builder:
         policies = loaded.outputs["policies"]
         return policies, (warm.outputs["policies"] if warm is not None else policies)
 
-    def evaluate(self, config_json, policies, name: str, iteration: int | None, label: str = "evaluate"):
+    def evaluate(
+        self, config_json, policies, name: str, iteration: int | None, label: str = "evaluate", run_id: str = ""
+    ):
         forced = self.force("evaluate", iteration)
-        task = components.evaluate(config_json=config_json, policies=policies, label=label, force=forced)
+        task = components.evaluate(config_json=config_json, policies=policies, label=label, run_id=run_id, force=forced)
         return self.task("evaluate", task, name, forced)
 
     def iterations(self, config_json, run_id, policies, reference, first: int, last: int):
@@ -175,7 +177,7 @@ class _Builder:
                 force=forced,
             )
             self.task("advantage", advantage, f"advantage {i}", forced)
-            slots = {}
+            slots, previous = {}, None
             for slot, wg in enumerate(self.groups):
                 forced = self.force("update", i, wg)
                 update = components.update(
@@ -188,7 +190,10 @@ class _Builder:
                     reference=reference,
                     force=forced,
                 )
-                slots[f"update_{slot}"] = self.task("update", update, f"update {wg} {i}", forced).outputs["policy"]
+                self.task("update", update, f"update {wg} {i}", forced)
+                if previous is not None:  # the groups share the pool's slots: one trains at a time
+                    update.after(previous)
+                slots[f"update_{slot}"], previous = update.outputs["policy"], update
             forced = self.force("checkpoint", i)
             checkpoint = components.checkpoint(
                 config_json=config_json, run_id=run_id, iteration=i, force=forced, **slots
@@ -196,7 +201,7 @@ class _Builder:
             self.task("checkpoint", checkpoint, f"checkpoint {i}", forced)
             policies = checkpoint.outputs["checkpoint"]
             if evaluation_due(self.config, i):
-                self.evaluate(config_json, policies, f"evaluate {i}", i)
+                self.evaluate(config_json, policies, f"evaluate {i}", i, run_id=run_id)
         return policies
 
 
@@ -209,7 +214,7 @@ def _iteration_pipeline(
     def body(config_json, run_id, start_checkpoint):
         policies, reference = builder.starting_point(config_json, run_id, first, start_checkpoint)
         if before:
-            builder.evaluate(config_json, policies, "evaluate before training", -1)
+            builder.evaluate(config_json, policies, "evaluate before training", -1, run_id=run_id)
         return builder.iterations(config_json, run_id, policies, reference, first, last)
 
     what = f"iterations {first}..{last - 1}" if last - first > 1 else f"iteration {first}"

@@ -3,7 +3,8 @@
 An engine turns batches of prompt token ids into responses, with the log-probability of
 every sampled token under the sampling policy (what the update uses as the old policy).
 Its lifecycle lets N models share one device pool: ``load`` a policy version from a
-local folder (HF layout), ``offload`` to release the memory, ``resume`` to take it back.
+local folder (HF layout), ``offload`` to release the memory, ``resume`` to take it back,
+``set_weights`` to take an update's new weights in memory (no store round-trip).
 
     hf      transformers on CPU (or one GPU): the default on one machine
     sglang  SGLang's offline engine on GPUs (the gpu image; imported only when chosen)
@@ -11,13 +12,17 @@ local folder (HF layout), ``offload`` to release the memory, ``resume`` to take 
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from drmas.config import SamplingConfig
 
-__all__ = ["Engine", "Generation", "make_engine"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Engine", "Generation", "make_engine", "request_seeds"]
 
 
 @dataclass(frozen=True)
@@ -40,15 +45,27 @@ class Engine(Protocol):
         """Load (or replace) the weights from a folder in HF layout."""
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingConfig, stop_ids: list[int], seed: int
+        self, prompts: list[list[int]], sampling: SamplingConfig, stop_ids: list[int], seeds: list[int]
     ) -> list[Generation]:
-        """One batched generate over all prompts; deterministic for a given seed."""
+        """One batched generate over all prompts, ``seeds[i]`` seeding request i (see
+        ``request_seeds``); deterministic for given seeds."""
+
+    def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Generate from these weights (HF parameter names, whole tensors) from now on, also
+        after an offload: an update's new policy, handed over in memory."""
 
     def offload(self) -> None:
         """Release the weights' (and cache's) memory; ``resume`` brings them back."""
 
     def resume(self) -> None:
         """Make the last loaded weights resident again."""
+
+
+def request_seeds(seed: int, first: int, count: int) -> list[int]:
+    """The sampling seeds of requests ``first .. first+count-1`` of a generate call seeded
+    ``seed``: each request has its own, so a request's sample does not depend on which
+    engine of a data-parallel group serves it (where the engine honours per-request seeds)."""
+    return [zlib.crc32(f"{seed}/{index}".encode()) & 0x7FFFFFFF for index in range(first, first + count)]
 
 
 def make_engine(kind: str, dtype: str) -> Engine:

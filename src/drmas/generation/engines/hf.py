@@ -16,13 +16,21 @@ class HFEngine:
     """Generates with ``model.generate``; offload drops the weights, resume reloads them.
 
     Reloading from the local safetensors file is cheap for the models that run on CPU, and
-    it frees the memory for real, which is the point of offloading in a shared pool.
+    it frees the memory for real, which is the point of offloading in a shared pool. An
+    update's weights handed over in memory (``set_weights``) are kept on the host and
+    resumed from.
+
+    Sampling draws one random stream per batch (``model.generate``), seeded with the
+    batch's first request seed: a response depends on its batch-mates, so the same
+    requests split over another number of engines sample differently (SGLang's engine
+    seeds each request).
     """
 
     def __init__(self, dtype: str = "float32") -> None:
         self.dtype = dtype
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.policy_dir: Path | None = None
+        self.weights: dict[str, torch.Tensor] | None = None
         self.model = None
 
     @property
@@ -31,8 +39,16 @@ class HFEngine:
 
     def load(self, policy_dir: Path) -> None:
         self.policy_dir = Path(policy_dir)
+        self.weights = None
         self.model = None  # not offload(): its gc.collect() costs ~0.1 s a call on CPU
         self.resume()
+
+    def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        if self.policy_dir is None:
+            raise RuntimeError("set_weights() before load(): no model to put the weights into")
+        self.weights = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights.items()}
+        if self.model is not None:
+            load_weights(self.model, self.weights)
 
     def offload(self) -> None:
         self.model = None
@@ -44,11 +60,14 @@ class HFEngine:
         if self.model is None:
             if self.policy_dir is None:
                 raise RuntimeError("resume() before load(): no policy to make resident")
-            self.model = load_model(self.policy_dir, self.dtype).to(self.device)
+            model = load_model(self.policy_dir, self.dtype)
+            if self.weights is not None:
+                load_weights(model, self.weights)
+            self.model = model.to(self.device)
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingConfig, stop_ids: list[int], seed: int
+        self, prompts: list[list[int]], sampling: SamplingConfig, stop_ids: list[int], seeds: list[int]
     ) -> list[Generation]:
         if not prompts:
             return []
@@ -56,7 +75,7 @@ class HFEngine:
         pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else stop_ids[0]
         input_ids, attention_mask = _left_pad(prompts, pad_id, self.device)  # [B, P]
         greedy = sampling.temperature == 0
-        torch.manual_seed(seed)
+        torch.manual_seed(seeds[0])
         output = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -73,6 +92,20 @@ class HFEngine:
         new_tokens = output.sequences[:, input_ids.shape[1] :]  # [B, T]
         logprobs = _sampled_logprobs(output.logits, new_tokens, sampling.temperature)  # [B, T]
         return [_cut(new_tokens[b], logprobs[b], set(stop_ids)) for b in range(len(prompts))]
+
+
+def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Copy ``weights`` into ``model``; a name the model lacks, or one of its weights left
+    out (other than one tied to a given weight, such as a tied output embedding), raises."""
+    result = model.load_state_dict(weights, strict=False)
+    state = model.state_dict()
+    given = {state[name].data_ptr() for name in weights if name in state}
+    untouched = [name for name in result.missing_keys if state[name].data_ptr() not in given]
+    if result.unexpected_keys or untouched:
+        raise ValueError(
+            f"weights do not fit the model: unknown {sorted(result.unexpected_keys)[:5]}, "
+            f"missing {sorted(untouched)[:5]}"
+        )
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

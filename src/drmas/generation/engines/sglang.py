@@ -15,27 +15,26 @@ signatures and return values. Not yet run on a GPU. What the source says and thi
   failure is returned, not raised.
 - A per-request ``sampling_seed`` is honoured only with ``enable_deterministic_inference``;
   without it, sampling depends on how requests are batched.
+- ``update_weights_from_tensor`` (an update's weights, in memory) returns ``(success,
+  message)``; from 0.5.21 it runs only inside ``begin_weight_update()`` /
+  ``end_weight_update()`` (older releases have neither: feature-detected).
 """
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from drmas.config import SamplingConfig
 from drmas.generation.engines import Generation
 
-__all__ = ["SGLangEngine", "request_seed"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["SGLangEngine"]
 
 RESIDENT_AFTER_WEIGHTS = ["kv_cache", "cuda_graph"]
 """What ``resume_memory_occupation`` maps back once the weights are in again."""
-
-
-def request_seed(seed: int, index: int) -> int:
-    """The sampling seed of request ``index`` of a generate call seeded ``seed``: each
-    request draws its own stream, so its sample does not depend on its batch-mates."""
-    return zlib.crc32(f"{seed}/{index}".encode()) & 0x7FFFFFFF
 
 
 class SGLangEngine:
@@ -55,11 +54,14 @@ class SGLangEngine:
         self.seed = seed
         self.engine: Any = None
         self.policy_dir: Path | None = None
+        self.pending: dict[str, torch.Tensor] | None = None
+        """An update's weights handed over while the memory was released: pushed at resume."""
         self.resident = False
 
     def load(self, policy_dir: Path) -> None:
         """Start the engine on this policy, or put the policy's weights into it."""
         self.policy_dir = Path(policy_dir)
+        self.pending = None
         if self.engine is None:
             self.engine = self._sglang.Engine(
                 model_path=str(self.policy_dir),
@@ -95,9 +97,34 @@ class SGLangEngine:
         if self.resident:
             return
         self.engine.resume_memory_occupation(tags=["weights"])
-        self._load_weights(self.policy_dir)
+        if self.pending is not None:
+            self._push_weights(self.pending)
+            self.pending = None
+        else:
+            self._load_weights(self.policy_dir)
         self.engine.resume_memory_occupation(tags=RESIDENT_AFTER_WEIGHTS)
         self.resident = True
+
+    def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Put an update's weights into the engine: now if its memory is mapped, else at the
+        next resume (a release throws the weights away, so they are kept until then)."""
+        if self.engine is None:
+            raise RuntimeError("set_weights() before load(): no engine to put the weights into")
+        if self.resident:
+            self._push_weights(weights)
+        else:
+            self.pending = weights
+
+    def _push_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        session = hasattr(self.engine, "begin_weight_update")  # 0.5.21+: updates run in a session
+        if session:
+            _check(self.engine.begin_weight_update(), "open a weight-update session")
+        _check(self.engine.update_weights_from_tensor(list(weights.items()), flush_cache=False), "take the weights")
+        if session:
+            _check(self.engine.end_weight_update(), "close the weight-update session")
+        flushed = self.engine.flush_cache()
+        if not flushed.success:
+            raise RuntimeError(f"SGLang could not flush its cache after a weight update: {flushed.message}")
 
     def _load_weights(self, policy_dir: Path) -> None:
         success, message, _ = self.engine.update_weights_from_disk(str(policy_dir))
@@ -105,7 +132,7 @@ class SGLangEngine:
             raise RuntimeError(f"SGLang could not load the weights of {policy_dir}: {message}")
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingConfig, stop_ids: list[int], seed: int
+        self, prompts: list[list[int]], sampling: SamplingConfig, stop_ids: list[int], seeds: list[int]
     ) -> list[Generation]:
         if not prompts:
             return []
@@ -117,9 +144,15 @@ class SGLangEngine:
             "max_new_tokens": sampling.max_new_tokens,
             "stop_token_ids": stop_ids,
         }
-        per_request = [params | {"sampling_seed": request_seed(seed, index)} for index in range(len(prompts))]
+        per_request = [params | {"sampling_seed": seed} for seed in seeds]
         outputs = self.engine.generate(input_ids=prompts, sampling_params=per_request, return_logprob=True)
         return [_generation(out) for out in outputs]
+
+
+def _check(result: tuple[bool, str], what: str) -> None:
+    success, message = result
+    if not success:
+        raise RuntimeError(f"SGLang could not {what}: {message}")
 
 
 def _generation(out: dict[str, Any]) -> Generation:
