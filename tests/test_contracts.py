@@ -138,7 +138,7 @@ def _in_process_ray() -> dict[str, ModuleType]:
     exceptions = module("ray.exceptions", RayActorError=type("RayActorError", (Exception,), {}))
     placement = module(
         "ray.util.placement_group",
-        placement_group=lambda bundles, strategy: SimpleNamespace(ready=lambda: None),
+        placement_group=lambda bundles, strategy, **_: SimpleNamespace(ready=lambda: None),
         remove_placement_group=lambda group: None,
     )
     strategies = module("ray.util.scheduling_strategies", PlacementGroupSchedulingStrategy=lambda *args, **kwargs: None)
@@ -147,7 +147,7 @@ def _in_process_ray() -> dict[str, ModuleType]:
         "ray",
         remote=remote,
         get=lambda value, timeout=None: value,
-        kill=lambda actor: None,
+        kill=lambda actor, no_restart=True: None,
         exceptions=exceptions,
         util=util,
     )

@@ -6,6 +6,13 @@ import gc
 from pathlib import Path
 
 import torch
+from transformers.generation.logits_process import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from drmas.config import SamplingConfig
 from drmas.generation.engines import Generation
@@ -20,10 +27,9 @@ class HFEngine:
     update's weights handed over in memory (``set_weights``) are kept on the host and
     resumed from.
 
-    Sampling draws one random stream per batch (``model.generate``), seeded with the
-    batch's first request seed: a response depends on its batch-mates, so the same
-    requests split over another number of engines sample differently (SGLang's engine
-    seeds each request).
+    Each request samples from its own random stream (its seed), so a response does not
+    depend on its batch-mates: the same requests split over any number of engines sample
+    alike (up to the last bits of batched arithmetic).
     """
 
     def __init__(self, dtype: str = "float32") -> None:
@@ -75,14 +81,15 @@ class HFEngine:
         pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else stop_ids[0]
         input_ids, attention_mask = _left_pad(prompts, pad_id, self.device)  # [B, P]
         greedy = sampling.temperature == 0
-        torch.manual_seed(seeds[0])
+        sampler = [] if greedy else [SeededSampler(sampling, seeds, self.device)]
         output = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            do_sample=not greedy,
-            temperature=None if greedy else sampling.temperature,
-            top_p=None if greedy else sampling.top_p,
-            top_k=None if greedy or sampling.top_k == 0 else sampling.top_k,
+            do_sample=False,  # the sampler has drawn each row's token; the greedy step takes it
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            logits_processor=LogitsProcessorList(sampler),
             max_new_tokens=sampling.max_new_tokens,
             eos_token_id=stop_ids,
             pad_token_id=pad_id,
@@ -92,6 +99,28 @@ class HFEngine:
         new_tokens = output.sequences[:, input_ids.shape[1] :]  # [B, T]
         logprobs = _sampled_logprobs(output.logits, new_tokens, sampling.temperature)  # [B, T]
         return [_cut(new_tokens[b], logprobs[b], set(stop_ids)) for b in range(len(prompts))]
+
+
+class SeededSampler(LogitsProcessor):
+    """Draws each row's next token from its own generator (its request's seed), from the
+    distribution ``model.generate`` would sample (temperature, then top-k, then top-p, as
+    transformers orders its warpers), and leaves only that token for the greedy step."""
+
+    def __init__(self, sampling: SamplingConfig, seeds: list[int], device: torch.device) -> None:
+        self.warpers: list[LogitsProcessor] = [TemperatureLogitsWarper(sampling.temperature)]
+        if sampling.top_k:
+            self.warpers.append(TopKLogitsWarper(sampling.top_k))
+        if sampling.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(sampling.top_p))
+        self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        probs = torch.softmax(scores.float(), dim=-1)  # [B, V]
+        tokens = torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(self.generators)])
+        chosen = torch.full_like(scores, float("-inf"))
+        return chosen.scatter_(1, tokens.unsqueeze(1), 0.0)
 
 
 def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
