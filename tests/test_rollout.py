@@ -215,8 +215,11 @@ config = load_config(sys.argv[1], ["ray.pool_resource=GPU", "ray.pool_size=2", "
 assert connect_ray(config, Path(sys.argv[2]))
 with RayPool(config, Store(sys.argv[3]), threads=1) as pool:
     granted = {
-        name: ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_assigned_resources()))
-        for name, actor in pool.actors.items()
+        name: [
+            ray.get(worker.__ray_call__.remote(lambda self: ray.get_runtime_context().get_assigned_resources()))
+            for worker in workers
+        ]
+        for name, workers in pool.workers.items()
     }
 print(json.dumps({"cluster": ray.cluster_resources().get("GPU"), "granted": granted}))
 ray.shutdown()
@@ -226,7 +229,8 @@ ray.shutdown()
 def test_a_gpu_pool_asks_ray_for_gpus_by_num_gpus(tmp_path):
     """``ray.pool_resource: GPU`` (the GPU configs) cannot be a custom resource: Ray refuses
     'GPU' in ``resources``. The local node declares the pool as GPUs (Ray schedules them on
-    CPU too, as a count) and each worker group's actor is granted its share by num_gpus."""
+    CPU too, as a count). Both worker groups run on both slots: each has a worker per slot,
+    granted half of that slot's GPU by num_gpus."""
     import ray
 
     with pytest.raises(ValueError, match="Use the 'num_cpus' and 'num_gpus' keyword"):
@@ -245,4 +249,7 @@ def test_a_gpu_pool_asks_ray_for_gpus_by_num_gpus(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["cluster"] == 2.0
-    assert {name: grant.get("GPU") for name, grant in found["granted"].items()} == {"solver": 1.0, "verifier": 1.0}
+    assert {name: [grant.get("GPU") for grant in grants] for name, grants in found["granted"].items()} == {
+        "solver": [0.5, 0.5],
+        "verifier": [0.5, 0.5],
+    }
