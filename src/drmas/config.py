@@ -416,6 +416,10 @@ class RayConfig(Section):
     """Accelerators in the pool that all worker groups share."""
     max_resident: int = Field(1, ge=1)
     """Worker groups whose weights may be resident in the pool at once."""
+    device_memory_gb: float | None = Field(None, gt=0)
+    """Memory of one pool accelerator, in GB (10^9 bytes). Set, ``drmas run``, ``compile``
+    and ``submit`` refuse a config whose memory plan (``drmas plan``) does not fit it; unset
+    (CPU runs): no check. An "80 GB" H100 holds 80 GiB = 85.9 GB: 80 leaves the driver's share."""
 
 
 class DrmasConfig(Section):
