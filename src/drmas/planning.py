@@ -109,16 +109,20 @@ class Architecture:
         each ``intermediate`` wide, instead of GeLU's in and out at 4h), and transformers'
         RMSNorm, which keeps its input in fp32 and its normalised value before the weight.
         With b bytes per element:
-            norms        2 x (4h + b·h + b·h)        input fp32, normalised, output
-            attention    b·(2·q + 2·kv)              q, k, v (after RoPE), output
-            MLP          b·4·intermediate            gate, up, SiLU(gate), product
-            q/k norms    (4 + b)·(q + kv)            Qwen3: each head's norm, as above
-        For a GPT-shaped layer (multi-head attention, a 4h GeLU MLP, norms kept at b = 2
-        bytes) the same count gives Megatron's 34·sbh without its two dropout masks: 32·sbh."""
+            norms        2 x (4h + b·h + b·h + 4)      input in fp32, normalised, output, rsqrt
+            attention    b·(2·q + 2·kv) + 4·heads      q, k, v (after RoPE), output, logsumexp
+            MLP          b·4·intermediate              gate, up, SiLU(gate), product
+            q/k norms    (4 + b)·(q + kv) + 4·(heads + kv_heads)   Qwen3: each head's norm
+        With Megatron's fused LayerNorm (input and output only, at b = 2 bytes), multi-head
+        attention and a 4h GeLU MLP, the count is its 34·sbh less the two dropout masks.
+        tests/test_plan.py checks it against the tensors a transformers layer saves."""
         h, b = self.hidden_size, dtype_bytes
-        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        total = 2 * (4 * h + 2 * b * h) + b * (2 * q + 2 * kv) + 4 * b * self.intermediate_size
-        return total + ((4 + b) * (q + kv) if self.qk_norm else 0)
+        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+        q, kv = heads * self.head_dim, kv_heads * self.head_dim
+        norms = 2 * (4 * h + 2 * b * h + 4)
+        attention = b * (2 * q + 2 * kv) + 4 * heads
+        qk_norms = (4 + b) * (q + kv) + 4 * (heads + kv_heads) if self.qk_norm else 0
+        return norms + attention + 4 * b * self.intermediate_size + qk_norms
 
     def activation_bytes(self, tokens: int, dtype_bytes: int, checkpointing: bool) -> int:
         """Activations of one micro-batch of ``tokens`` tokens at the peak of its backward.
@@ -128,7 +132,7 @@ class Architecture:
         keeps only its input (b·h per token) and the backward recomputes one layer at a
         time: L·b·h + one layer. Both add the final norm before the LM head."""
         h, layers, layer = self.hidden_size, self.num_hidden_layers, self.layer_activation_bytes(dtype_bytes)
-        final_norm = 4 * h + 2 * dtype_bytes * h
+        final_norm = 4 * h + 2 * dtype_bytes * h + 4
         kept = layers * dtype_bytes * h + layer if checkpointing else layers * layer
         return tokens * (kept + final_norm)
 
