@@ -317,6 +317,12 @@ class MemoryPlan:
         return max(group.update_peak for group in self.groups)
 
     @property
+    def host_memory(self) -> int:
+        """Host memory per slot for every group's offloaded optimizer state (it stays there
+        between updates)."""
+        return sum(group.optimizer_host for group in self.groups)
+
+    @property
     def fits(self) -> bool | None:
         """None without a device memory to compare with."""
         return None if self.device_memory is None else not self.problems
@@ -326,6 +332,7 @@ class MemoryPlan:
             **{key: value for key, value in asdict(self).items() if key != "groups"},
             "rollout_peak": self.rollout_peak,
             "update_peak": self.update_peak,
+            "host_memory": self.host_memory,
             "fits": self.fits,
             "groups": [{**asdict(group), "update_peak": group.update_peak} for group in self.groups],
         }
@@ -574,5 +581,10 @@ def _render(plan: MemoryPlan) -> str:
             *(line(label, values) for label, values in rows),
             "",
             f"rollout peak {_gb(plan.rollout_peak)}, update peak {_gb(plan.update_peak)}: {verdict}",
+            *(
+                [f"host memory per slot: {_gb(plan.host_memory)} (every group's offloaded optimizer state)"]
+                if plan.host_memory
+                else []
+            ),
         ]
     )
