@@ -35,6 +35,8 @@ ALLOWED: dict[str, set[str]] = {
         "analysis.report",
     },
     "analysis": {"config", "infra", "runner", "analysis"},
+    # The memory plan sizes the rollout with the SGLang engine's memory share.
+    "planning": {"config", "generation.engines"},
     "cli": {"*"},
 }
 """Layer -> the drmas layers (or modules) it may import. ``drmas`` itself (the version) is

@@ -54,7 +54,6 @@ SHARED_REFERENCE = [
     ("actor.optim.warmup_style=constant, lr_warmup_steps (default)", "train.warmup_steps", 0),
     ("actor.optim.weight_decay (veRL default)", "train.weight_decay", 0.01),
     ("actor.grad_clip (default)", "train.grad_clip", 1.0),
-    ("actor.use_dynamic_bsz (default False: rows per micro-batch)", "train.max_tokens_per_micro_batch", None),
     ("model.enable_gradient_checkpointing=True", "train.gradient_checkpointing", True),
     ("actor.fsdp_config.optimizer_offload=True", "train.offload_optimizer", True),
     ("compute_log_prob before every update (old log-probs by the trainer)", "train.recompute_old_logprobs", True),
@@ -85,6 +84,12 @@ MATH_REFERENCE = SHARED_REFERENCE + [
     ("data.max_response_length=4096", "rollout.sampling.max_new_tokens", 4096),
     ("data.max_response_length=4096 (validation)", "eval.sampling.max_new_tokens", 4096),
     ("actor.ppo_micro_batch_size_per_gpu=[2,2]", "train.micro_batch_size", 2),
+    (
+        "actor.use_dynamic_bsz (default False: rows per micro-batch); deviation: two rows of 12288 tokens "
+        "would not fit 80 GB in drmas's update (drmas plan), so such a pair trains apart",
+        "train.max_tokens_per_micro_batch",
+        20480,
+    ),
     ("use_adaptive_ppo_mini_batch_size=True, ppo_mini_update_num=1", "train.updates_per_iteration", 1),
     ("trainer.test_freq=10", "eval.every", 10),
     ("trainer.n_gpus_per_node=8, nnodes=1", "ray.pool_size", 8),
@@ -114,6 +119,7 @@ SEARCH_REFERENCE = SHARED_REFERENCE + [
     ("use_adaptive_ppo_mini_batch_size=True, ppo_mini_update_num=5", "train.updates_per_iteration", 5),
     ("trainer.test_freq=5", "eval.every", 5),
     ("trainer.n_gpus_per_node=4, nnodes=1", "ray.pool_size", 4),
+    ("actor.use_dynamic_bsz (default False: rows per micro-batch)", "train.max_tokens_per_micro_batch", None),
 ]
 
 RECIPES = {"math": (MATH_RECIPE, MATH_REFERENCE), "search": (SEARCH_RECIPE, SEARCH_REFERENCE)}

@@ -14,6 +14,9 @@ examples:
     drmas compare CONFIG --advantage grpo,drmas --seeds 3 [a.b=value ...] [--name NAME]
                                           train per mode and seed, report gradient norms,
                                           Lemma 4.2 terms, spikes and eval side by side
+    drmas plan CONFIG [a.b=value ...] [--device-memory 80GB] [-o text|json]
+                                          memory per pool slot (engines, training state,
+                                          activations, logits) and whether it fits
     drmas compile CONFIG [a.b=value ...] -o pipeline.yaml [--pipeline train|rl_iteration|evaluate]
                                           compile the Kubeflow pipeline of this config
     drmas submit CONFIG [a.b=value ...] --host URL [--experiment NAME] [--run-name NAME]
@@ -115,6 +118,21 @@ def main(argv: list[str] | None = None) -> int:
         "--name", default="compare", help="prefix of the runs and folder of the report (default: compare)"
     )
 
+    plan_cmd = commands.add_parser(
+        "plan",
+        help="the memory per pool slot and whether it fits the device (exit 1 when it does not)",
+    )
+    _config_arguments(plan_cmd)
+    plan_cmd.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        type=_device_memory,
+        help="memory of one accelerator, e.g. 80GB (10^9 bytes) or 80GiB (default: ray.device_memory_gb)",
+    )
+    plan_cmd.add_argument(
+        "-o", "--output", choices=("text", "json"), default="text", help="a table (default) or JSON, bytes"
+    )
+
     compile_cmd = commands.add_parser("compile", help="compile the Kubeflow pipeline of a config to YAML")
     _config_arguments(compile_cmd)
     compile_cmd.add_argument("-o", "--output", required=True, help="where to write the compiled pipeline (YAML)")
@@ -154,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             return _rerun(args)
         if args.command == "compare":
             return _compare(args)
+        if args.command == "plan":
+            return _plan(args)
         if args.command in ("compile", "submit"):
             return _compile_or_submit(args)
         if args.via == "kfp-local":
@@ -311,6 +331,8 @@ def _run(args: argparse.Namespace) -> int:
     from drmas.runner import open_run, summary_table, train  # noqa: PLC0415
 
     config, run_id = _start_run(args)
+    if (refused := _refuse_unless_it_fits(args.command, config)) is not None:
+        return refused
     try:
         _check_inputs(config)
     except ValueError as error:
@@ -441,6 +463,56 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device_memory(text: str) -> int:
+    """--device-memory as bytes; a bad size is a usage error naming the text."""
+    from drmas.planning import PlanError, parse_size  # noqa: PLC0415
+
+    try:
+        return parse_size(text)
+    except PlanError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Print the memory plan; exit 1 when it does not fit, 2 when a model cannot be sized."""
+    import json  # noqa: PLC0415
+
+    from drmas.planning import PlanError, plan_memory  # noqa: PLC0415
+
+    config = _load(args, logs=False)
+    try:
+        plan = plan_memory(config, args.device_memory)
+    except PlanError as error:
+        return _fail("plan", error, 2)
+    print(json.dumps(plan.to_dict(), indent=2) if args.output == "json" else plan.text())
+    return 1 if plan.fits is False else 0
+
+
+def _refuse_unless_it_fits(command: str, config: DrmasConfig) -> int | None:
+    """Exit status 2, the plan's problems printed, when a config cannot fit the devices of
+    ``ray.device_memory_gb``: better now than out of memory an hour into a cluster run.
+    No device memory (CPU runs) or a model the plan cannot size: no check (the latter says
+    so)."""
+    if config.ray.device_memory_gb is None:
+        return None
+    from drmas.planning import PlanError, plan_memory  # noqa: PLC0415
+
+    try:
+        plan = plan_memory(config)
+    except PlanError as error:
+        print(f"drmas {command}: warning: no memory check: {error}", file=sys.stderr)
+        return None
+    if plan.fits:
+        return None
+    problems = "\n".join(f"  - {problem}" for problem in plan.problems)
+    return _fail(
+        command,
+        f"the config does not fit {config.ray.device_memory_gb:g} GB per slot (ray.device_memory_gb); "
+        f"drmas plan prints the whole plan:\n{problems}",
+        2,
+    )
+
+
 def _pipeline_options(command: argparse.ArgumentParser, run_id: bool = True) -> None:
     """The options shared by compile, submit and run --via kfp-local."""
     command.add_argument(
@@ -509,6 +581,8 @@ def _compile_or_submit(args: argparse.Namespace) -> int:
     import tempfile  # noqa: PLC0415
 
     config = _load(args, logs=False)
+    if (refused := _refuse_unless_it_fits(args.command, config)) is not None:
+        return refused
     run_id = _run_id(args, config)
     built = _build_pipeline(args, config, run_id)
     if built is None:
@@ -558,6 +632,8 @@ def _compile_or_submit(args: argparse.Namespace) -> int:
 
 def _run_kfp_local(args: argparse.Namespace) -> int:
     config, run_id = _start_run(args)
+    if (refused := _refuse_unless_it_fits(args.command, config)) is not None:
+        return refused
     built = _build_pipeline(args, config, run_id)
     if built is None:
         return 2

@@ -423,6 +423,10 @@ class RayConfig(Section):
     idle_timeout_s: float = Field(1800.0, gt=0)
     """A run's pool (named, detached Ray actors that outlive each stage) frees itself after
     this many seconds without a call; the next stage rebuilds it from the store."""
+    device_memory_gb: float | None = Field(None, gt=0)
+    """Memory of one pool accelerator, in GB (10^9 bytes). Set, ``drmas run``, ``compile``
+    and ``submit`` refuse a config whose memory plan (``drmas plan``) does not fit it; unset
+    (CPU runs): no check. An "80 GB" H100 holds 80 GiB = 85.9 GB: 80 leaves the driver's share."""
 
 
 class DrmasConfig(Section):

@@ -31,7 +31,11 @@ from drmas.generation.engines import Generation
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SGLangEngine"]
+__all__ = ["MEM_FRACTION_STATIC", "SGLangEngine"]
+
+MEM_FRACTION_STATIC = 0.5
+"""Share of the device an engine takes for its weights and KV cache, the reference's math
+recipe's ``gpu_memory_utilization``; ``drmas plan`` sizes the rollout with it."""
 
 RESIDENT_AFTER_WEIGHTS = ["kv_cache", "cuda_graph"]
 """What ``resume_memory_occupation`` maps back once the weights are in again."""
@@ -40,7 +44,9 @@ RESIDENT_AFTER_WEIGHTS = ["kv_cache", "cuda_graph"]
 class SGLangEngine:
     """One ``sglang.Engine`` per worker group on its actor's GPU, token ids in and out."""
 
-    def __init__(self, dtype: str = "bfloat16", mem_fraction_static: float = 0.5, seed: int = 0) -> None:
+    def __init__(
+        self, dtype: str = "bfloat16", mem_fraction_static: float = MEM_FRACTION_STATIC, seed: int = 0
+    ) -> None:
         try:
             import sglang  # noqa: PLC0415
         except ImportError as error:

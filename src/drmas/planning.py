@@ -1,0 +1,590 @@
+"""The memory plan of a run: what one pool slot (one accelerator) holds in each phase, and
+whether that fits the device (``drmas plan CONFIG``; docs/architecture.md §7).
+
+Every worker group runs on all ``ray.pool_size`` slots, time-shared. On a slot it has one
+worker with its rollout engine and its training shard, and the two never hold memory at
+the same time: engines release theirs before an update, and the training state is
+offloaded after it. So a slot has two peaks:
+
+- **rollout**: the ``ray.max_resident`` largest engines resident at once. SGLang takes
+  ``mem_fraction_static`` of the device for its weights and KV cache (the KV cache is
+  what the weights leave of that share);
+- **update** (one worker group at a time): its training state by ZeRO stage and offload,
+  the activations of one micro-batch, and its logits.
+
+Both count the CUDA contexts of the processes on the slot (every group's worker and, with
+SGLang, its engine's scheduler). The numbers are upper bounds for the configured lengths:
+a micro-batch is sized for rows of ``rollout.max_prompt_tokens`` + ``max_new_tokens``
+tokens, as one long row would make it. Pure: reads the config and, for a model given by
+path or hub id, its ``config.json`` (a local folder, the local Hugging Face cache, or the
+built-in table below); never the network.
+
+Sources of the formulas (and where they are adapted) are on each function; the units are
+bytes, printed in GB (10^9 bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from drmas.config import DrmasConfig, ModelSpec, WorkerGroup
+from drmas.generation.engines.sglang import MEM_FRACTION_STATIC
+
+__all__ = [
+    "KNOWN_ARCHITECTURES",
+    "Architecture",
+    "GroupPlan",
+    "MemoryPlan",
+    "PlanError",
+    "architecture_of",
+    "parse_size",
+    "plan_memory",
+]
+
+GB = 10**9
+"""The plan's unit. An "80 GB" H100 or A100 holds 80 GiB = 85.9 GB, part of which the
+driver keeps: planning against 80 GB leaves that margin."""
+CUDA_CONTEXT_BYTES = GB // 2
+"""An allowance per process that uses the device (the CUDA context with its kernels and
+the caching allocator's slack); typical of recent CUDA and torch, not measured here."""
+LOGIT_FP32_COPIES = 4
+"""fp32 [tokens, vocab] tensors alive at the peak of ``drmas.training.batching.token_logprobs``
+in an update: the temperature-scaled logits, their log-softmax, its exp and the entropy
+product (the backward holds about as many gradients of the same shape)."""
+REFERENCE_LOGIT_FP32_COPIES = 2
+"""The frozen reference model's scaled logits and log-softmax (``algorithm.kl_coef`` > 0),
+computed while the policy's are held."""
+
+
+class PlanError(ValueError):
+    """A model whose architecture the plan cannot find, or a bad size; the message names
+    the model (or the text) and how to supply the numbers."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The numbers of a decoder-only transformer (Llama/Qwen family: RMSNorm, grouped-query
+    attention, gated SiLU MLP) that its memory depends on, as its ``config.json`` names them."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    head_dim: int
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2 and Qwen2.5)."""
+    qk_norm: bool = False
+    """An RMSNorm over each query and key head (Qwen3)."""
+
+    @property
+    def params(self) -> int:
+        """Parameter count: embeddings (twice when the LM head is not tied to them), per
+        layer the q/k/v/o projections, the three MLP matrices and two norms, a final norm."""
+        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        attention += 2 * self.head_dim if self.qk_norm else 0
+        layer = attention + 3 * h * self.intermediate_size + 2 * h
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_hidden_layers * layer + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """KV cache of one token: a key and a value per layer and KV head."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+    def layer_activation_bytes(self, dtype_bytes: int) -> int:
+        """Bytes one decoder layer keeps for its backward, per token.
+
+        Megatron's count for a GPT layer (Korthikanti et al. 2022, "Reducing Activation
+        Recomputation in Large Transformer Models", eq. 1: ``sbh(34 + 5as/h)``), adapted:
+        no dropout (its masks and outputs go), FlashAttention/SDPA (no ``as^2`` score
+        matrices: the ``5as/h`` term goes), grouped-query attention (k and v are
+        ``kv_heads * head_dim`` wide), a gated MLP (gate, up, SiLU(gate) and their product,
+        each ``intermediate`` wide, instead of GeLU's in and out at 4h), and transformers'
+        RMSNorm, which keeps its input in fp32 and its normalised value before the weight.
+        With b bytes per element:
+            norms        2 x (4h + b·h + b·h + 4)      input in fp32, normalised, output, rsqrt
+            attention    b·(2·q + 2·kv) + 4·heads      q, k, v (after RoPE), output, logsumexp
+            MLP          b·4·intermediate              gate, up, SiLU(gate), product
+            q/k norms    (4 + b)·(q + kv) + 4·(heads + kv_heads)   Qwen3: each head's norm
+        With Megatron's fused LayerNorm (input and output only, at b = 2 bytes), multi-head
+        attention and a 4h GeLU MLP, the count is its 34·sbh less the two dropout masks.
+        tests/test_plan.py checks it against the tensors a transformers layer saves."""
+        h, b = self.hidden_size, dtype_bytes
+        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+        q, kv = heads * self.head_dim, kv_heads * self.head_dim
+        norms = 2 * (4 * h + 2 * b * h + 4)
+        attention = b * (2 * q + 2 * kv) + 4 * heads
+        qk_norms = (4 + b) * (q + kv) + 4 * (heads + kv_heads) if self.qk_norm else 0
+        return norms + attention + 4 * b * self.intermediate_size + qk_norms
+
+    def activation_bytes(self, tokens: int, dtype_bytes: int, checkpointing: bool) -> int:
+        """Activations of one micro-batch of ``tokens`` tokens at the peak of its backward.
+
+        Without checkpointing every layer keeps ``layer_activation_bytes``. With it
+        (transformers' gradient checkpointing, one checkpoint per decoder layer) each layer
+        keeps only its input (b·h per token) and the backward recomputes one layer at a
+        time: L·b·h + one layer. Both add the final norm before the LM head."""
+        h, layers, layer = self.hidden_size, self.num_hidden_layers, self.layer_activation_bytes(dtype_bytes)
+        final_norm = 4 * h + 2 * dtype_bytes * h + 4
+        kept = layers * dtype_bytes * h + layer if checkpointing else layers * layer
+        return tokens * (kept + final_norm)
+
+    @classmethod
+    def from_hf_config(cls, values: dict[str, Any], where: str) -> Architecture:
+        """From a Hugging Face ``config.json``; a missing number is a PlanError naming ``where``."""
+        needed = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
+        missing = [key for key in needed if not isinstance(values.get(key), int)]
+        if missing:
+            raise PlanError(f"{where} has no integer {', '.join(missing)}: not a decoder config the plan can size")
+        heads = values["num_attention_heads"]
+        model_type = str(values.get("model_type", ""))
+        return cls(
+            hidden_size=values["hidden_size"],
+            num_hidden_layers=values["num_hidden_layers"],
+            intermediate_size=values["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=values.get("num_key_value_heads") or heads,
+            vocab_size=values["vocab_size"],
+            tie_word_embeddings=bool(values.get("tie_word_embeddings", True)),  # transformers' default
+            head_dim=values.get("head_dim") or values["hidden_size"] // heads,
+            qkv_bias=bool(values.get("attention_bias", model_type == "qwen2")),  # Qwen2 has them, unnamed
+            qk_norm=model_type.startswith("qwen3"),
+        )
+
+
+QWEN3_4B = Architecture(2560, 36, 9728, 32, 8, 151936, True, 128, qk_norm=True)
+"""Qwen/Qwen3-4B's config.json: 4.02B parameters (published: 4.0B, 3.6B non-embedding)."""
+QWEN25_7B = Architecture(3584, 28, 18944, 28, 4, 152064, False, 128, qkv_bias=True)
+"""Qwen/Qwen2.5-7B's config.json (Qwen2-7B's architecture): 7.62B (published: 7.61B)."""
+QWEN25_3B = Architecture(2048, 36, 11008, 16, 2, 151936, True, 128, qkv_bias=True)
+"""Qwen/Qwen2.5-3B's config.json: 3.09B (published: 3.09B, 2.77B non-embedding)."""
+LLAMA32_3B = Architecture(3072, 28, 8192, 24, 8, 128256, True, 128)
+"""meta-llama/Llama-3.2-3B's config.json: 3.21B (published: 3.21B)."""
+
+KNOWN_ARCHITECTURES: dict[str, Architecture] = {
+    "Qwen/Qwen3-4B": QWEN3_4B,
+    "Qwen/Qwen3-4B-Base": QWEN3_4B,
+    "Qwen/Qwen2.5-7B": QWEN25_7B,
+    "Qwen/Qwen2.5-7B-Instruct": QWEN25_7B,
+    "Qwen/Qwen2.5-3B": QWEN25_3B,
+    "Qwen/Qwen2.5-3B-Instruct": QWEN25_3B,
+    "meta-llama/Llama-3.2-3B": LLAMA32_3B,
+    "meta-llama/Llama-3.2-3B-Instruct": LLAMA32_3B,
+}
+"""The models that the recipes and the reference's README name, for machines without
+their config.json (CI has no hub access); docs/architecture.md §7 cites where the values
+were checked. A post-trained variant shares its base model's architecture."""
+
+
+def architecture_of(model: str, spec: ModelSpec | None) -> tuple[Architecture, str]:
+    """A worker group's architecture and where its numbers came from: the spec of a scratch
+    model, a local folder's config.json, the local Hugging Face cache, or the table above."""
+    source = spec.source if spec is not None else model
+    if source == "scratch" and spec is not None:
+        return _scratch_architecture(spec), "scratch spec"
+    if source.startswith(("/", "./", "../", "~")):
+        path = Path(source).expanduser() / "config.json"
+        return _read_hf_config(path), str(path)
+    cached = _cached_config(source)
+    if cached is not None:
+        return _read_hf_config(cached), str(cached)
+    if source in KNOWN_ARCHITECTURES:
+        return KNOWN_ARCHITECTURES[source], "built-in table"
+    raise PlanError(
+        f"cannot size model {source!r}: it is not a local folder, its config.json is not in the local Hugging Face "
+        f"cache, and it is not one of drmas's known architectures ({', '.join(sorted(KNOWN_ARCHITECTURES))}); "
+        f"fetch its config once (huggingface-cli download {source} config.json) or point the model's source at a "
+        "local folder holding its config.json"
+    )
+
+
+def _scratch_architecture(spec: ModelSpec) -> Architecture:
+    """A scratch model as ``drmas.models`` builds it: tied embeddings, head_dim = hidden /
+    heads, Qwen3's q/k norms for the qwen3 architecture."""
+    return Architecture(
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        intermediate_size=spec.intermediate_size,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        vocab_size=spec.vocab_size,
+        tie_word_embeddings=True,
+        head_dim=spec.hidden_size // spec.num_heads,
+        qk_norm=spec.architecture == "qwen3",
+    )
+
+
+def _cached_config(repo_id: str) -> Path | None:
+    """The hub model's config.json if the local Hugging Face cache holds it (no network)."""
+    from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415 - only for hub ids
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # not a valid repo id: the caller says what it could not size
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def _read_hf_config(path: Path) -> Architecture:
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise PlanError(f"cannot read the model config {path}: {error}") from None
+    if not isinstance(values, dict):
+        raise PlanError(f"{path} is not a JSON object")
+    return Architecture.from_hf_config(values.get("text_config", values), str(path))
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One worker group's memory on one slot, by phase; bytes."""
+
+    name: str
+    model: str
+    source: str
+    """Where the architecture's numbers came from."""
+    params: int
+    dtype_bytes: int
+    sequence_tokens: int
+    """The longest row: rollout.max_prompt_tokens + the group's largest max_new_tokens."""
+    micro_batch_tokens: int
+    engine_share: int | None
+    """SGLang's static share of the device (weights + KV cache); None for the HF engine
+    (transformers: weights only, its KV cache grows per call) or an unknown device."""
+    engine_weights: int
+    kv_cache: int | None
+    kv_tokens: int | None
+    train_params: int
+    train_grads: int
+    optimizer: int
+    """Optimizer state on the device (fp32 master weights and Adam's moments under mixed
+    precision); 0 when offloaded."""
+    optimizer_host: int
+    """Optimizer state offloaded to host memory, per slot."""
+    reference_model: int
+    activations: int
+    """At the configured ``train.gradient_checkpointing``."""
+    activations_checkpointed: int
+    activations_full: int
+    logits: int
+    contexts: int
+    """CUDA contexts of every process on the slot (they stay while a group trains)."""
+
+    @property
+    def engine(self) -> int:
+        """What the engine holds while resident."""
+        return self.engine_share if self.engine_share is not None else self.engine_weights
+
+    @property
+    def update_fixed(self) -> int:
+        """The part of the update peak that does not grow with the micro-batch's tokens."""
+        return self.train_params + self.train_grads + self.optimizer + self.reference_model + self.contexts
+
+    @property
+    def update_peak(self) -> int:
+        return self.update_fixed + self.activations + self.logits
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per slot and phase: what each worker group holds, the peaks, and what does not fit."""
+
+    slots: int
+    zero_stage: int
+    offload_optimizer: bool
+    gradient_checkpointing: bool
+    engine: str
+    max_resident: int
+    device_memory: int | None
+    groups: tuple[GroupPlan, ...]
+    problems: tuple[str, ...] = field(default=())
+
+    @property
+    def rollout_peak(self) -> int:
+        """The ``max_resident`` largest engines at once, and every process's context."""
+        engines = sorted((group.engine for group in self.groups), reverse=True)[: self.max_resident]
+        return sum(engines) + self.groups[0].contexts
+
+    @property
+    def update_peak(self) -> int:
+        return max(group.update_peak for group in self.groups)
+
+    @property
+    def host_memory(self) -> int:
+        """Host memory per slot for every group's offloaded optimizer state (it stays there
+        between updates)."""
+        return sum(group.optimizer_host for group in self.groups)
+
+    @property
+    def fits(self) -> bool | None:
+        """None without a device memory to compare with."""
+        return None if self.device_memory is None else not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **{key: value for key, value in asdict(self).items() if key != "groups"},
+            "rollout_peak": self.rollout_peak,
+            "update_peak": self.update_peak,
+            "host_memory": self.host_memory,
+            "fits": self.fits,
+            "groups": [{**asdict(group), "update_peak": group.update_peak} for group in self.groups],
+        }
+
+    def text(self) -> str:
+        """The plan as a table: one column per worker group, GB."""
+        return _render(self)
+
+
+def plan_memory(config: DrmasConfig, device_memory: int | None = None) -> MemoryPlan:
+    """The memory plan of ``config`` on its pool; ``device_memory`` (bytes) defaults to
+    ``ray.device_memory_gb``. Raises PlanError for a model it cannot size."""
+    if device_memory is None and config.ray.device_memory_gb is not None:
+        device_memory = round(config.ray.device_memory_gb * GB)
+    groups = config.worker_groups()
+    processes = len(groups) * (2 if config.rollout.engine == "sglang" else 1)
+    plans = tuple(_group_plan(config, group, device_memory, processes * CUDA_CONTEXT_BYTES) for group in groups)
+    plan = MemoryPlan(
+        slots=config.ray.pool_size,
+        zero_stage=_zero_stage(config),
+        offload_optimizer=_offloads(config),
+        gradient_checkpointing=config.train.gradient_checkpointing,
+        engine=config.rollout.engine,
+        max_resident=min(config.ray.max_resident, len(groups)),
+        device_memory=device_memory,
+        groups=plans,
+    )
+    return replace(plan, problems=tuple(_problems(plan)))
+
+
+def _zero_stage(config: DrmasConfig) -> int:
+    """The torch backend replicates everything, as ZeRO-0 does."""
+    return config.train.zero_stage if config.train.backend == "deepspeed" else 0
+
+
+def _offloads(config: DrmasConfig) -> bool:
+    return config.train.backend == "deepspeed" and config.train.offload_optimizer
+
+
+def _group_plan(config: DrmasConfig, group: WorkerGroup, device_memory: int | None, contexts: int) -> GroupPlan:
+    architecture, source = architecture_of(group.model, group.spec)
+    dtype_bytes = 2 if group.spec is not None and group.spec.dtype == "bfloat16" else 4
+    params = architecture.params
+    sequence = config.rollout.max_prompt_tokens + max(
+        config.agent_sampling(agent).max_new_tokens for agent in group.agents
+    )
+    tokens = _micro_batch_tokens(group.micro_batch_size, sequence, config.train.max_tokens_per_micro_batch)
+    weights = params * dtype_bytes
+    share = kv = kv_tokens = None
+    if config.rollout.engine == "sglang" and device_memory is not None:
+        share = round(MEM_FRACTION_STATIC * device_memory)
+        kv = max(share - weights, 0)
+        kv_tokens = kv // architecture.kv_bytes_per_token(dtype_bytes)
+    train_params, grads, optimizer = _training_state(config, params, dtype_bytes)
+    checkpointed = architecture.activation_bytes(tokens, dtype_bytes, checkpointing=True)
+    full = architecture.activation_bytes(tokens, dtype_bytes, checkpointing=False)
+    reference = config.algorithm.kl_coef > 0
+    logit_copies = LOGIT_FP32_COPIES + (REFERENCE_LOGIT_FP32_COPIES if reference else 0)
+    return GroupPlan(
+        name=group.name,
+        model=group.spec.source if group.spec is not None else group.model,
+        source=source,
+        params=params,
+        dtype_bytes=dtype_bytes,
+        sequence_tokens=sequence,
+        micro_batch_tokens=tokens,
+        engine_share=share,
+        engine_weights=weights,
+        kv_cache=kv,
+        kv_tokens=kv_tokens,
+        train_params=train_params,
+        train_grads=grads,
+        optimizer=0 if _offloads(config) else optimizer,
+        optimizer_host=optimizer if _offloads(config) else 0,
+        reference_model=weights if reference else 0,
+        activations=checkpointed if config.train.gradient_checkpointing else full,
+        activations_checkpointed=checkpointed,
+        activations_full=full,
+        logits=tokens * architecture.vocab_size * 4 * logit_copies,
+        contexts=contexts,
+    )
+
+
+def _micro_batch_tokens(rows: int, sequence: int, max_tokens: int | None) -> int:
+    """The most padded tokens of one micro-batch, as ``drmas.training.batching.micro_batches``
+    packs them: ``rows`` rows of up to ``sequence`` tokens, at most ``max_tokens`` when that
+    is set, except that a longer row gets a micro-batch to itself."""
+    tokens = rows * sequence
+    return tokens if max_tokens is None else min(tokens, max(max_tokens, sequence))
+
+
+def _training_state(config: DrmasConfig, params: int, dtype_bytes: int) -> tuple[int, int, int]:
+    """Per slot: (weights, gradients, optimizer state), standard ZeRO accounting (Rajbhandari
+    et al. 2020, "ZeRO", §5): under DeepSpeed's bf16 mixed precision 2Ψ weights, 2Ψ
+    gradients and 12Ψ fp32 master weights + Adam moments; otherwise (torch backend, or
+    float32) weights and gradients at the model's dtype and Adam's two moments beside
+    them. ZeRO-1 partitions the optimizer state over the data-parallel slots, ZeRO-2 the
+    gradients too, ZeRO-3 the weights too."""
+    mixed = config.train.backend == "deepspeed" and dtype_bytes == 2
+    weights, grads = params * dtype_bytes, params * dtype_bytes
+    optimizer = params * (12 if mixed else 2 * dtype_bytes)
+    stage, slots = _zero_stage(config), config.ray.pool_size
+    return (
+        _ceil_div(weights, slots) if stage >= 3 else weights,
+        _ceil_div(grads, slots) if stage >= 2 else grads,
+        _ceil_div(optimizer, slots) if stage >= 1 else optimizer,
+    )
+
+
+def _ceil_div(value: int, parts: int) -> int:
+    return -(-value // parts)
+
+
+def _problems(plan: MemoryPlan) -> list[str]:
+    """What does not fit in ``plan.device_memory``, with the numbers and the fields to change."""
+    device = plan.device_memory
+    if device is None:
+        return []
+    problems = []
+    if plan.rollout_peak > device:
+        engines = (
+            f"SGLang takes mem_fraction_static {MEM_FRACTION_STATIC} of the device per engine"
+            if plan.engine == "sglang"
+            else "each engine holds its weights"
+        )
+        problems.append(
+            f"rollout: {plan.max_resident} resident engine(s) and the CUDA contexts take {_gb(plan.rollout_peak)} "
+            f"per slot, more than {_gb(device)} (ray.max_resident {plan.max_resident}; {engines})"
+        )
+    for group in plan.groups:
+        problems += _engine_problems(group)
+        if group.update_peak > device:
+            problems.append(_update_problem(plan, group, device))
+    return problems
+
+
+def _engine_problems(group: GroupPlan) -> list[str]:
+    if group.engine_share is None or group.kv_tokens is None:
+        return []
+    if group.engine_weights >= group.engine_share:
+        return [
+            f"engine {group.name}: the weights of {group.model} ({_gb(group.engine_weights)}) do not fit SGLang's "
+            f"share of the device ({MEM_FRACTION_STATIC} x device = {_gb(group.engine_share)})"
+        ]
+    if group.kv_tokens < group.sequence_tokens:
+        return [
+            f"engine {group.name}: its KV cache ({_gb(group.kv_cache or 0)}) holds {group.kv_tokens} tokens, less "
+            f"than one sequence of {group.sequence_tokens} (rollout.max_prompt_tokens + max_new_tokens)"
+        ]
+    return []
+
+
+def _update_problem(plan: MemoryPlan, group: GroupPlan, device: int) -> str:
+    """Why the group's update does not fit, item by item, and the largest micro-batch that would."""
+    items = (
+        f"weights {_gb(group.train_params)}, gradients {_gb(group.train_grads)}, optimizer {_gb(group.optimizer)}, "
+        f"activations {_gb(group.activations)}, logits {_gb(group.logits)}"
+        + (f", reference model {_gb(group.reference_model)}" if group.reference_model else "")
+        + f", CUDA contexts {_gb(group.contexts)}"
+    )
+    per_token = (group.activations + group.logits) / group.micro_batch_tokens
+    fitting = int((device - group.update_fixed) // per_token) if device > group.update_fixed else 0
+    if fitting >= group.sequence_tokens:
+        hint = f"set train.max_tokens_per_micro_batch to at most {fitting} (now {group.micro_batch_tokens} tokens)"
+    else:
+        hint = (
+            f"not even one {group.sequence_tokens}-token row fits: raise train.zero_stage (now {plan.zero_stage}) or "
+            "ray.pool_size, set train.offload_optimizer or train.gradient_checkpointing, or shorten "
+            "rollout.max_prompt_tokens / max_new_tokens"
+        )
+    return f"update {group.name}: needs {_gb(group.update_peak)} per slot, more than {_gb(device)} ({items}); {hint}"
+
+
+def parse_size(text: str) -> int:
+    """'80GB', '80 GiB', '81920MiB' or '80' (GB) -> bytes. GB is 10^9 bytes, GiB 2^30."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)?\s*", text, re.IGNORECASE)
+    if match is None or float(match[1]) <= 0:
+        raise PlanError(f"device memory {text!r} is not a size such as 80GB, 80GiB or 81920MiB")
+    unit = (match[2] or "GB").upper()
+    power = "KMGT".index(unit[0]) + 1
+    base = 1024 if "I" in unit else 1000
+    return round(float(match[1]) * base**power)
+
+
+def _gb(value: int) -> str:
+    """Bytes as GB, or as MB for the small models of CPU runs (where GB would read 0.0)."""
+    return f"{value / GB:.1f} GB" if value >= GB // 10 or value == 0 else f"{value / 10**6:.1f} MB"
+
+
+def _count(params: int) -> str:
+    return f"{params / 1e9:.2f}B" if params >= 10**9 else f"{params / 1e6:.2f}M"
+
+
+def _render(plan: MemoryPlan) -> str:
+    """Rows of items, one column per worker group (GB); then the peaks and the verdict."""
+    groups = plan.groups
+    rows: list[tuple[str, list[str]]] = [
+        ("model", [g.model for g in groups]),
+        ("parameters", [_count(g.params) for g in groups]),
+        ("sized from", [g.source for g in groups]),
+        ("ROLLOUT (engine resident)", ["" for _ in groups]),
+        ("engine weights", [_gb(g.engine_weights) for g in groups]),
+        ("KV cache", [_gb(g.kv_cache) if g.kv_cache is not None else "-" for g in groups]),
+        ("KV cache tokens", [str(g.kv_tokens) if g.kv_tokens is not None else "-" for g in groups]),
+        ("UPDATE (engines released)", ["" for _ in groups]),
+        ("micro-batch tokens", [str(g.micro_batch_tokens) for g in groups]),
+        ("weights", [_gb(g.train_params) for g in groups]),
+        ("gradients", [_gb(g.train_grads) for g in groups]),
+        ("optimizer on device", [_gb(g.optimizer) for g in groups]),
+        *([("optimizer on host", [_gb(g.optimizer_host) for g in groups])] if plan.offload_optimizer else []),
+        ("activations, checkpointing", [_gb(g.activations_checkpointed) for g in groups]),
+        ("activations, none", [_gb(g.activations_full) for g in groups]),
+        ("logits (fp32)", [_gb(g.logits) for g in groups]),
+        *(
+            [("reference model (KL)", [_gb(g.reference_model) for g in groups])]
+            if any(g.reference_model for g in groups)
+            else []
+        ),
+        ("CUDA contexts", [_gb(g.contexts) for g in groups]),
+        ("update peak", [_gb(g.update_peak) for g in groups]),
+    ]
+    names = [g.name for g in groups]
+    label_width = max(len(label) for label, _ in rows)
+    widths = [max(len(name), *(len(values[i]) for _, values in rows)) for i, name in enumerate(names)]
+
+    def line(label: str, values: list[str]) -> str:
+        return "  ".join([label.ljust(label_width), *(v.rjust(w) for v, w in zip(values, widths, strict=True))])
+
+    device = _gb(plan.device_memory) if plan.device_memory is not None else "an unknown size"
+    header = (
+        f"memory per slot: {plan.slots} slot(s) of {device}; ZeRO-{plan.zero_stage}"
+        f"{' with optimizer offload' if plan.offload_optimizer else ''}, gradient checkpointing "
+        f"{'on' if plan.gradient_checkpointing else 'off'}, rollout engine {plan.engine} "
+        f"({plan.max_resident} resident at once)"
+    )
+    verdict = {
+        None: "fits: unknown (give --device-memory or set ray.device_memory_gb)",
+        True: f"fits in {device}",
+        False: f"does NOT fit in {device}:\n" + "\n".join(f"  - {problem}" for problem in plan.problems),
+    }[plan.fits]
+    return "\n".join(
+        [
+            header,
+            "",
+            line("worker group", names),
+            *(line(label, values) for label, values in rows),
+            "",
+            f"rollout peak {_gb(plan.rollout_peak)}, update peak {_gb(plan.update_peak)}: {verdict}",
+            *(
+                [f"host memory per slot: {_gb(plan.host_memory)} (every group's offloaded optimizer state)"]
+                if plan.host_memory
+                else []
+            ),
+        ]
+    )
