@@ -115,7 +115,7 @@ def update_rank(
             _import_stored_state(engine, store, optim, Path(scratch) / "optim")
         else:  # the first update: its RNG (saved with the state) must not depend on the process's past
             torch.manual_seed(zlib.crc32(f"{config.experiment.seed}/{wg}".encode()))
-        ref_model = _reference(config, store, reference, Path(scratch), dtype)
+        ref_model = _reference(config, store, reference, Path(scratch), dtype, engine.device)
         metrics = train_worker_group(
             config, group, engine, model, ref_model, rows, tokenizer.pad_token_id, iteration, rank, world
         )
@@ -162,13 +162,18 @@ def _worker_group_rows(store: Store, batch_path: str, wg: str) -> list[dict[str,
     return mine.select(columns).to_pylist()
 
 
-def _reference(config: DrmasConfig, store: Store, reference: PolicyRef | None, scratch: Path, dtype: str):
+def _reference(
+    config: DrmasConfig, store: Store, reference: PolicyRef | None, scratch: Path, dtype: str, device: torch.device
+):
+    """The frozen reference policy for the KL term, on the training engine's device (its
+    inputs are the update's batches), or None when there is no KL term."""
     if config.algorithm.kl_coef == 0.0:
         return None
     if reference is None:
         raise ValueError("algorithm.kl_coef > 0 needs a reference policy (the run's initial policy)")
     local = store.open(reference.artifact).download(scratch / "reference", prefix=reference.prefix)
-    model = load_model(local, dtype)
+    model: torch.nn.Module = load_model(local, dtype)
+    model.to(device)
     model.requires_grad_(False)
     return model
 

@@ -25,6 +25,18 @@ class MicroBatch:
     advantages: torch.Tensor  # [B]
     agents: list[str]
 
+    def to(self, device: torch.device) -> MicroBatch:
+        """The same rows with every tensor on ``device`` (collate builds them on the CPU)."""
+        return replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            response_mask=self.response_mask.to(device),
+            old_logprobs=self.old_logprobs.to(device),
+            rollout_logprobs=self.rollout_logprobs.to(device),
+            advantages=self.advantages.to(device),
+        )
+
 
 def micro_batches(rows: list[dict[str, Any]], max_rows: int, max_tokens: int | None) -> list[list[int]]:
     """Row indices packed in order: at most ``max_rows`` rows and ``max_tokens`` padded
@@ -83,7 +95,7 @@ def token_logprobs(
         model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1].float()
     )
     if temperature is not None:
-        logits = logits / temperature[:, None, None]
+        logits = logits / temperature.to(logits.device)[:, None, None]
     log_probs = torch.log_softmax(logits, dim=-1)  # [B, L-1, V]
     taken = log_probs.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, L-1]
     entropy = -(log_probs.exp() * log_probs).sum(-1) if want_entropy else None  # [B, L-1]

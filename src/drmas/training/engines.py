@@ -34,6 +34,7 @@ __all__ = [
     "full_shape",
     "make_engine",
     "rank_and_world",
+    "training_device",
 ]
 
 
@@ -43,9 +44,20 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def training_device() -> torch.device:
+    """This process's device: its local rank's GPU (``LOCAL_RANK``, set by torchrun and by
+    ``ensure_process_group``) when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 class TrainEngine(Protocol):
     """What the update's loop needs from an engine, whatever does the stepping."""
 
+    device: torch.device
+    """Where the model's parameters are: every batch, the reference model and every buffer
+    of the update go there."""
     model: torch.nn.Module
     """The policy as loaded: its parameters are what is saved."""
     forward_model: torch.nn.Module
@@ -109,8 +121,9 @@ class TorchEngine:
     """AdamW with linear warm-up; gradients summed across data-parallel ranks."""
 
     def __init__(self, model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> None:
-        self.model = model
-        self.forward_model: torch.nn.Module = model
+        self.device = training_device()
+        self.model = model.to(self.device)
+        self.forward_model: torch.nn.Module = self.model
         self.params, self.optimizer, self.scheduler = _adamw(model, group, config)
         self.grad_clip = config.train.grad_clip
 
@@ -176,6 +189,9 @@ class DeepSpeedEngine:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(config, group, world)
         )
+        # DeepSpeed puts the module on its accelerator's device for this local rank
+        # (``DeepSpeedEngine._configure_distributed_model``): the batches go there too.
+        self.device: torch.device = self.engine.device
         # DeepSpeed's forward does per-micro-batch bookkeeping: without it ZeRO-3 overwrites
         # the accumulated gradient with each micro-batch's instead of adding to it.
         self.forward_model: torch.nn.Module = self.engine
@@ -322,12 +338,14 @@ def full_shape(param: torch.nn.Parameter) -> torch.Size:
 
 
 def ensure_process_group() -> None:
-    """DeepSpeed needs a process group even alone: a one-process gloo group whose
-    rendezvous is an in-memory store (a TCPStore would listen on every interface)."""
+    """DeepSpeed needs a process group even alone: a one-process group whose rendezvous is
+    an in-memory store (a TCPStore would listen on every interface); nccl on a GPU (gloo
+    has no all-gather or reduce-scatter of CUDA tensors, which ZeRO-3 uses), gloo on CPU."""
     if dist.is_initialized():
         return
     os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed checks that a launcher set it
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def make_engine(model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> TrainEngine:

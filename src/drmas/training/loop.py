@@ -53,12 +53,14 @@ def train_worker_group(
     norms, skipped, tokens = [], 0, 0
     agent_norms: dict[str, list[float]] = {}
     if train.recompute_old_logprobs:
-        _recompute_old_logprobs(model, rows, pad_id, group.micro_batch_size, train.max_tokens_per_micro_batch, config)
+        _recompute_old_logprobs(
+            model, rows, pad_id, group.micro_batch_size, train.max_tokens_per_micro_batch, config, engine.device
+        )
     for step_index, mini in enumerate(np.array_split(order, steps)):
         mini_rows = [rows[i] for i in mini]
         packs = micro_batches(mini_rows, group.micro_batch_size, train.max_tokens_per_micro_batch)
         size = MiniBatchSize(sum(len(r["response_ids"]) for r in mini_rows), len(mini_rows), len(packs))
-        batches = rank_batches(mini_rows, packs, pad_id, rank, world)
+        batches = [batch.to(engine.device) for batch in rank_batches(mini_rows, packs, pad_id, rank, world)]
         if config.diagnostics.per_agent_grad_norm:
             agents = sorted({row["agent"] for row in mini_rows})
             for agent, norm in _agent_grad_norms(
@@ -79,7 +81,7 @@ def train_worker_group(
         norms.append(norm)
         tokens += size.tokens
     if world > 1:  # each rank saw its share of the micro-batches: sum the shares
-        shares = torch.tensor(list(totals.values()), dtype=torch.float64)
+        shares = torch.tensor(list(totals.values()), dtype=torch.float64, device=engine.device)  # nccl: on the GPU
         dist.all_reduce(shares, op=dist.ReduceOp.SUM)
         totals = dict(zip(totals, shares.tolist(), strict=True))
     prefix = f"wg/{group.name}"
@@ -93,6 +95,8 @@ def train_worker_group(
         f"{prefix}/rows": float(len(rows)),
         f"{prefix}/lr": engine.lr(),
     }
+    if engine.device.type == "cuda":  # the whole update process's peak, loading included
+        metrics[f"{prefix}/peak_memory_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
     for agent, values in agent_norms.items():
         metrics[f"agent/{agent}/grad_norm"] = float(np.mean(values))
     if algorithm.kl_coef == 0.0:
@@ -128,18 +132,21 @@ def _agent_grad_norms(
                 _micro_loss(model, ref_model, batch, size, config, want_entropy=False, only_agent=agent)[0]
                 for batch in batches
             )
-            gradient = _gradient_sum(engine.params, losses)
+            gradient = _gradient_sum(engine.params, losses, engine.device)
             if world > 1:
                 dist.all_reduce(gradient, op=dist.ReduceOp.SUM)
             norms[agent] = float(torch.linalg.vector_norm(gradient))
     return norms
 
 
-def _gradient_sum(params: list[torch.nn.Parameter], losses: Iterable[torch.Tensor]) -> torch.Tensor:
-    """The gradient of the sum of ``losses`` w.r.t. ``params``, flat and in fp32, one loss
-    (one graph) at a time; ``p.grad`` and every gradient hook stay untouched."""
+def _gradient_sum(
+    params: list[torch.nn.Parameter], losses: Iterable[torch.Tensor], device: torch.device
+) -> torch.Tensor:
+    """The gradient of the sum of ``losses`` w.r.t. ``params``, flat and in fp32 on
+    ``device``, one loss (one graph) at a time; ``p.grad`` and every gradient hook stay
+    untouched."""
     sizes = [math.prod(full_shape(p)) for p in params]
-    total = torch.zeros(sum(sizes), dtype=torch.float32, device=params[0].device)
+    total = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
     parts = total.split(sizes)
     for loss in losses:
         for part, grad in zip(parts, torch.autograd.grad(loss, params, allow_unused=True), strict=True):
@@ -148,12 +155,15 @@ def _gradient_sum(params: list[torch.nn.Parameter], losses: Iterable[torch.Tenso
     return total
 
 
-def _recompute_old_logprobs(model, rows, pad_id, max_rows, max_tokens, config: DrmasConfig) -> None:
-    """The old policy's log-probs by the trainer itself, before any step (one no-grad pass),
-    instead of the rollout engine's: removes engine/trainer numerical mismatch."""
+def _recompute_old_logprobs(
+    model, rows, pad_id, max_rows, max_tokens, config: DrmasConfig, device: torch.device
+) -> None:
+    """The old policy's log-probs by the trainer itself, before any step (one no-grad pass
+    on ``device``), instead of the rollout engine's: removes engine/trainer numerical
+    mismatch."""
     with torch.no_grad():
         for pack in micro_batches(rows, max_rows, max_tokens):
-            batch = collate([rows[i] for i in pack], pad_id)
+            batch = collate([rows[i] for i in pack], pad_id).to(device)
             logprobs, _ = token_logprobs(
                 model, batch, want_entropy=False, temperature=sampling_temperatures(config, batch.agents)
             )
@@ -186,7 +196,7 @@ def _micro_loss(
     algorithm = config.algorithm
     mask = batch.response_mask
     if only_agent is not None:
-        keep = torch.tensor([agent == only_agent for agent in batch.agents], dtype=mask.dtype)
+        keep = torch.tensor([agent == only_agent for agent in batch.agents], dtype=mask.dtype, device=mask.device)
         mask = mask * keep.unsqueeze(-1)
     temperature = sampling_temperatures(config, batch.agents)
     logprobs, entropy = token_logprobs(model, batch, want_entropy or algorithm.entropy_coef > 0, temperature)

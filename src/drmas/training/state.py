@@ -71,7 +71,7 @@ def restore_state(state: TrainState, model: torch.nn.Module, optimizer: torch.op
         slot = optimizer.state[param]
         slot["step"] = torch.tensor(state.meta["steps"][name])
         for key in ("exp_avg", "exp_avg_sq"):
-            slot[key] = state.tensors[f"optim/{name}/{key}"].clone()
+            slot[key] = state.tensors[f"optim/{name}/{key}"].to(param.device, copy=True)
     restore_scheduler(scheduler, optimizer, state.meta)
     torch.set_rng_state(state.tensors["rng/torch"])
 
