@@ -73,6 +73,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -369,6 +370,10 @@ class LocalLeaseFile:
             yield
 
 
+_S3_CLIENTS: weakref.WeakKeyDictionary[Store, Any] = weakref.WeakKeyDictionary()
+"""The boto3 client of each open S3 store (boto3 clients are thread-safe)."""
+
+
 class S3LeaseFile:
     """The lease as an S3 object, changed by conditional puts (ETag as the version)."""
 
@@ -385,12 +390,14 @@ class S3LeaseFile:
         self.bucket, self.key = bucket, "/".join(part for part in (prefix, relative) if part)
         self.where, self.endpoint = store.uri(relative), store.endpoint or "AWS"
         self.failures = (ClientError, BotoCoreError)
-        options: dict[str, Any] = {"retries": {"max_attempts": 3, "mode": "standard"}, "connect_timeout": 5}
-        if store.endpoint:  # MinIO, SeaweedFS: buckets are addressed by path, not by host name
-            options["s3"] = {"addressing_style": "path"}
-        self.client = boto3.session.Session().client(
-            "s3", endpoint_url=store.endpoint, region_name=store.region, config=Config(**options)
-        )
+        if store not in _S3_CLIENTS:  # one per store: making one takes a good part of a second
+            options: dict[str, Any] = {"retries": {"max_attempts": 3, "mode": "standard"}, "connect_timeout": 5}
+            if store.endpoint:  # MinIO, SeaweedFS: buckets are addressed by path, not by host name
+                options["s3"] = {"addressing_style": "path"}
+            _S3_CLIENTS[store] = boto3.session.Session().client(
+                "s3", endpoint_url=store.endpoint, region_name=store.region, config=Config(**options)
+            )
+        self.client = _S3_CLIENTS[store]
 
     def read(self) -> tuple[bytes, str] | None:
         try:
