@@ -131,19 +131,44 @@ def test_of_three_processes_racing_for_a_run_exactly_one_gets_it(store, writers)
     assert holders(store) == {}, "the holder left the lease when it ended"
 
 
-def test_a_killed_holder_goes_stale_and_of_two_takers_one_wins(store, writers):
-    first, *takers = writers(store, count=3)
-    first.ask("acquire")
-    first.kill()  # SIGKILL: no exit handler runs, its holder stays
-    refused = race(takers)
-    assert all("busy" in answer and f"pid {first.pid} " in answer["busy"] for answer in refused), refused
-    time.sleep(SHORT_S + 0.2)
-    answers = race(takers)
+def one_winner(takers: list[Writer], answers: list[dict]) -> tuple[Writer, Writer]:
+    """The one taker that got the lease and the one refused, naming it."""
     assert sorted(next(iter(answer)) for answer in answers) == ["acquired", "busy"], answers
     winner, loser = (takers[0], takers[1]) if "acquired" in answers[0] else (takers[1], takers[0])
     assert f"pid {winner.pid} " in next(answer["busy"] for answer in answers if "busy" in answer)
+    return winner, loser
+
+
+def test_a_stale_holder_is_taken_over_and_of_two_takers_one_wins(store, writers):
+    """A holder whose heartbeat stopped (SIGSTOP: alive but silent, as a process on another
+    machine that died looks from here) is waited out for the timeout, then taken over."""
+    first, *takers = writers(store, count=3)
+    first.ask("acquire")
+    os.kill(first.pid, signal.SIGSTOP)
+    refused = race(takers)
+    assert all("busy" in answer and f"pid {first.pid} " in answer["busy"] for answer in refused), refused
+    time.sleep(SHORT_S + 0.2)
+    winner, loser = one_winner(takers, race(takers))
     loser.end()
-    assert f"took over from a stale holder: pid {first.pid} on {socket.gethostname()}" in winner.end()
+    first.kill()
+    assert (
+        f"took over from a dead holder (its heartbeat had stopped): pid {first.pid} on {socket.gethostname()}"
+        in winner.end()
+    )
+
+
+def test_a_killed_holder_on_this_machine_is_taken_over_at_once(store, writers):
+    """SIGKILL runs no exit handler, so the holder stays in the lease; on the machine it ran
+    on its pid is seen gone, so a resume right after a crash need not wait out the timeout."""
+    first, *takers = writers(store, timeout_s=60.0, count=3)
+    first.ask("acquire")
+    first.kill()
+    winner, loser = one_winner(takers, race(takers))
+    loser.end()
+    assert (
+        f"took over from a dead holder (its process has ended): pid {first.pid} on {socket.gethostname()}"
+        in winner.end()
+    )
 
 
 def test_a_paused_holder_that_lost_its_lease_stops_writing(store, writers):
@@ -197,9 +222,38 @@ def test_a_stale_holder_is_dropped_with_a_warning_naming_it(store, caplog):
     time.sleep(0.3)
     with RunLease(store, "exp", "r", scope="exp/r/iter-000000/rollout"):
         assert list(holders(store)) == ["exp/r/iter-000000/rollout"]
-    assert f"took over from a stale holder: pid {os.getpid()} on {socket.gethostname()} (owner {stalled.owner})" in (
-        caplog.text
+    assert (
+        f"took over from a dead holder (its heartbeat had stopped): pid {os.getpid()} on {socket.gethostname()} "
+        f"(owner {stalled.owner})" in caplog.text
     )
+
+
+def test_a_holder_on_another_machine_counts_only_by_its_heartbeat(store):
+    """Its pid means nothing here: it is in the way until its heartbeat is a timeout old."""
+    lease = RunLease(store, "exp", "r")
+    now = time.time()
+    elsewhere = {
+        "owner": "f" * 32,
+        "host": "node-7",
+        "pid": 1,
+        "scope": RUN_SCOPE,
+        "started_at": now - 600,
+        "heartbeat_at": now - 20,
+        "timeout_s": 30.0,
+        "machine": "other-boot/pid:[1]",
+        "process_start": "5",
+    }
+    document = {"format": "drmas.lease/1", "holders": {RUN_SCOPE: elsewhere}}
+    assert lease.file.write(json.dumps(document).encode(), None)
+    with pytest.raises(
+        RunBusy, match=r"pid 1 on node-7 .*last heartbeat 20 s ago.* \(in 10 s if that process is dead\)"
+    ):
+        lease.acquire()
+    current = lease.file.read()
+    document["holders"][RUN_SCOPE]["heartbeat_at"] = now - 31
+    assert current is not None and lease.file.write(json.dumps(document).encode(), current[1])
+    with lease:
+        assert holders(store)[RUN_SCOPE]["owner"] == lease.owner
 
 
 def test_a_stage_output_outside_a_run_is_refused(store):
@@ -232,7 +286,7 @@ def test_the_lease_timeout_comes_from_the_store_config_and_travels_with_it(tmp_p
     [["run", "--resume", "R"], ["rerun", "--run-id", "R", "--iteration", "0", "--stage", "advantage"]],
     ids=lambda command: command[0],
 )
-def test_a_second_writer_of_a_running_run_is_refused_with_the_holder(command, tmp_path, writers, capsys):
+def test_a_second_writer_of_a_running_run_is_refused_with_the_holder(command, tmp_path, capsys):
     """``drmas run`` R holds R's lease while it trains; here a process that holds the lease
     as ``drmas run`` does stands for it (a real training run would take minutes here)."""
     config = load_config(MATH, [f"store.root={tmp_path}"])

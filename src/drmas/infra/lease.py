@@ -15,7 +15,10 @@ what it writes (its *scope*), when it started and its last heartbeat. A heartbea
 renews the holder every few seconds (a quarter of the timeout, at most 5 s) and it leaves
 on exit, also on an exception. A holder whose heartbeat is older than its timeout
 (``store.lease_timeout_s``) is taken for dead (a SIGKILLed process leaves its holder
-behind) and is taken over, with a warning naming it. An acquirer that finds a live holder
+behind) and is taken over, with a warning naming it. On the holder's own machine (same
+kernel boot and pid namespace) a holder whose process has ended (its pid is gone, a zombie,
+or another process) is taken over at once: ``drmas run --resume`` right after a crash or a
+kill need not wait out the timeout. An acquirer that finds a live holder
 in its way gets RunBusy, naming that holder (host, pid, owner), since when it holds the
 run, and how long until it counts as stale.
 
@@ -112,9 +115,18 @@ class Holder:
     started_at: float
     heartbeat_at: float
     timeout_s: float
+    machine: str
+    """The kernel boot and pid namespace the pid belongs to ("" where /proc is missing)."""
+    process_start: str
+    """The process's start time (clock ticks since boot): a reused pid has another."""
 
-    def stale(self, now: float) -> bool:
-        return now - self.heartbeat_at > self.timeout_s
+    def dead(self, now: float) -> bool:
+        """No heartbeat for longer than its timeout, or its process is known to have ended."""
+        return now - self.heartbeat_at > self.timeout_s or self.ended_here()
+
+    def ended_here(self) -> bool:
+        """Whether its process has ended, as far as this machine can tell (only its own)."""
+        return bool(self.machine) and self.machine == _MACHINE and _process_start(self.pid) != self.process_start
 
     def blocks(self, scope: str) -> bool:
         """Whether this holder keeps another from taking ``scope`` (while it is alive)."""
@@ -203,19 +215,30 @@ class RunLease:
     def _try_to_join(self) -> list[Holder]:
         """One attempt to become a holder; returns the live holders in the way (none: done)."""
         started, now = time.monotonic(), time.time()
-        me = Holder(self.owner, socket.gethostname(), os.getpid(), self.scope, now, now, self.timeout_s)
+        me = Holder(
+            self.owner,
+            socket.gethostname(),
+            os.getpid(),
+            self.scope,
+            now,
+            now,
+            self.timeout_s,
+            _MACHINE,
+            _process_start(os.getpid()) or "",
+        )
         in_the_way: list[Holder] = []
 
         def admit(holders: dict[str, Holder]) -> dict[str, Holder] | None:
-            alive = {scope: holder for scope, holder in holders.items() if not holder.stale(now)}
+            alive = {scope: holder for scope, holder in holders.items() if not holder.dead(now)}
             in_the_way[:] = [holder for holder in alive.values() if holder.blocks(self.scope)]
             return None if in_the_way else {**alive, self.scope: me}
 
         before = self._transact(admit)
         if not in_the_way:
             self._renewed_at = started
-            for gone in (holder for holder in before.values() if holder.stale(now)):
-                log.warning("run %s: took over from a stale holder: %s", self.run, gone.describe(now))
+            for gone in (holder for holder in before.values() if holder.dead(now)):
+                why = "its process has ended" if gone.ended_here() else "its heartbeat had stopped"
+                log.warning("run %s: took over from a dead holder (%s): %s", self.run, why, gone.describe(now))
         return in_the_way
 
     def check(self) -> None:
@@ -322,6 +345,27 @@ def _parse(data: bytes, where: str) -> dict[str, Holder]:
         raise CorruptArtifact(
             f"{where}: unreadable run lease ({error}); delete it if no process is writing the run"
         ) from None
+
+
+def _machine() -> str:
+    """This kernel's boot and pid namespace: where a pid names the same process."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+def _process_start(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot); None if it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+_MACHINE = _machine()
 
 
 def _clock(seconds: float) -> str:
