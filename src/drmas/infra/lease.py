@@ -348,12 +348,14 @@ def _parse(data: bytes, where: str) -> dict[str, Holder]:
 
 
 def _machine() -> str:
-    """This kernel's boot and pid namespace: where a pid names the same process."""
+    """This kernel's boot and pid namespace: where a pid names the same process ("" where
+    processes cannot be looked up in /proc: then only the heartbeat tells)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+        namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
         return ""
+    return f"{boot}/{namespace}" if _process_start(os.getpid()) else ""
 
 
 def _process_start(pid: int) -> str | None:
