@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import time
 from pathlib import Path
 
 import pytest
 from helpers import stored_rollout
 
 from drmas.config import load_config
+from drmas.infra.lease import LEASE_FILE, RunBusy, RunLease, stage_lease
 from drmas.infra.store import Store
 from drmas.stages.io import (
     METRICS_FILE,
@@ -25,6 +28,7 @@ from drmas.stages.io import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+OUT = "exp/r/iter-000003/advantage"
 
 
 class FakeArtifact:
@@ -170,15 +174,54 @@ def test_reuse_or_compute_follows_the_cache_key(store, capsys):
 
 
 def test_reuse_or_compute_says_what_it_did(store, capsys):
-    write(store, "out", {"f": b"1"}, key="k")
+    write(store, OUT, {"f": b"1"}, key="k")
     reuse_or_compute(
-        store, "out", "k", False, lambda: pytest.fail("recomputed a cached output"), label="advantage iter 3"
+        store, OUT, "k", False, lambda: pytest.fail("recomputed a cached output"), label="advantage iter 3"
     )
-    reuse_or_compute(store, "out", "k", True, lambda: None, label="policy/solver iter 3")
+    reuse_or_compute(store, OUT, "k", True, lambda: None, label="policy/solver iter 3")
     assert capsys.readouterr().out.splitlines() == [
-        f"drmas: advantage iter 3 reused {store.uri('out')}",
-        f"drmas: policy/solver iter 3 computed {store.uri('out')}",
+        f"drmas: advantage iter 3 reused {store.uri(OUT)}",
+        f"drmas: policy/solver iter 3 computed {store.uri(OUT)}",
     ]
+
+
+def test_reuse_or_compute_computes_holding_the_lease_of_its_output(store):
+    """The Kubeflow side of one writer per run: while ``compute`` runs, the run's lease
+    lists this process as the holder of exactly that output, and it is gone afterwards."""
+    seen = []
+
+    def compute():
+        seen.append(json.loads((Path(store.root) / "exp/r" / LEASE_FILE).read_text())["holders"])
+        write(store, OUT, {"f": b"1"}, key="k")
+
+    reuse_or_compute(store, OUT, "k", False, compute)
+    assert list(seen[0]) == [OUT]
+    assert seen[0][OUT]["pid"] == os.getpid()
+    assert json.loads((Path(store.root) / "exp/r" / LEASE_FILE).read_text())["holders"] == {}
+
+
+def test_reuse_or_compute_waits_for_the_embedded_runner_then_gives_up(store):
+    """A task of a run that ``drmas run`` holds waits twice the lease timeout (here 0.2 s),
+    then fails naming the holder, without computing."""
+    store.lease_timeout_s = 0.2
+    with RunLease(store, "exp", "r"):
+        began = time.monotonic()
+        with pytest.raises(
+            RunBusy,
+            match=rf"run exp/r is being written by another process: pid {os.getpid()} .*"
+            r"writing the whole run",
+        ):
+            reuse_or_compute(store, OUT, "k", False, lambda: pytest.fail("computed while the run was held"))
+        assert 0.4 <= time.monotonic() - began < 3
+
+
+def test_parallel_tasks_on_other_outputs_of_the_run_do_not_wait(store):
+    """The worker groups' updates run in parallel: each holds its own output."""
+    store.lease_timeout_s = 30.0
+    with stage_lease(store, "exp/r/iter-000000/policy/solver"):
+        began = time.monotonic()
+        reuse_or_compute(store, "exp/r/iter-000000/policy/verifier", "k", False, lambda: None)
+        assert time.monotonic() - began < 1
 
 
 def test_expect_input_refuses_a_pointer_to_another_output(store, tmp_path):

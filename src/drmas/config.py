@@ -373,6 +373,13 @@ class StoreConfig(Section):
     then AWS. Credentials come from the environment (AWS_ACCESS_KEY_ID, ...), never here."""
     region: str = "us-east-1"
     """S3 region."""
+    lease_timeout_s: float = Field(60.0, gt=0)
+    """Seconds after its last heartbeat that a run's lease counts as stale. A process
+    writing a run holds a lease in the run's folder (one writer per run; a Kubeflow task
+    holds the part it writes) and renews it every few seconds (a quarter of this, at most
+    5 s); a second writer is refused, naming the holder. A holder silent for longer is
+    taken for dead (killed) and taken over; one that had only stalled stops writing. Hosts'
+    clocks must agree to well within it."""
 
     @field_validator("endpoint")
     @classmethod

@@ -11,6 +11,7 @@ lets ``rerun`` recompute a single stage.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import tempfile
@@ -26,6 +27,7 @@ from drmas.generation.pool import PoolOnDemand
 from drmas.generation.workers import PolicyRef
 from drmas.infra.caching import is_cached
 from drmas.infra.layout import optim_path, policy_path, run_path, stage_path
+from drmas.infra.lease import RunLease
 from drmas.infra.store import Store, iteration_path
 from drmas.stages.advantage import advantage
 from drmas.stages.checkpoint import checkpoint, resume_point
@@ -209,6 +211,20 @@ def run_iteration(
     return out
 
 
+def _holding_the_run(function):
+    """Run ``function(config, store, run_id, ...)`` holding the run's lease: one writer per
+    run (drmas.infra.lease); a second is refused with RunBusy naming the holder, and every
+    write of this process checks the lease first."""
+
+    @functools.wraps(function)
+    def holding(config: DrmasConfig, store: Store, run_id: str, *args, **kwargs):
+        with RunLease(store, config.experiment.name, run_id):
+            return function(config, store, run_id, *args, **kwargs)
+
+    return holding
+
+
+@_holding_the_run
 def train(
     config: DrmasConfig, store: Store, run_id: str, cache_dir: Path | None = None, config_path: str | None = None
 ) -> RunSummary:
@@ -313,6 +329,7 @@ def summary_table(summary: RunSummary, k: int) -> str:
     return "\n".join(lines)
 
 
+@_holding_the_run
 def rerun(
     config: DrmasConfig, store: Store, run_id: str, iteration: int, stage_name: str, cache_dir: Path | None = None
 ) -> IterationResult:

@@ -129,10 +129,18 @@ class FileEntry:
 class Store:
     """A root folder, local or on S3, holding artifacts."""
 
-    def __init__(self, root: str, endpoint: str | None = None, region: str = "us-east-1") -> None:
+    def __init__(
+        self, root: str, endpoint: str | None = None, region: str = "us-east-1", lease_timeout_s: float = 60.0
+    ) -> None:
         self.root = root.rstrip("/") if root.startswith("s3://") else str(Path(root).resolve())
         self.is_s3 = root.startswith("s3://")
         self.region = region
+        self.lease_timeout_s = lease_timeout_s
+        """How long a run's lease outlives its holder's last heartbeat (drmas.infra.lease)."""
+        self.write_guard: Callable[[], None] | None = None
+        """Called before an artifact is opened, before each of its files and before its
+        manifest: the check of the run lease this process holds (drmas.infra.lease), which
+        raises once the lease is lost, so that a writer that lost its run stops writing."""
         self.retry_window_s = 0.0
         if self.is_s3:
             self.endpoint = _resolve_endpoint(endpoint)
@@ -145,14 +153,16 @@ class Store:
 
     @classmethod
     def from_config(cls, config: StoreConfig) -> Store:
-        return cls(config.root, config.endpoint, config.region)
+        return cls(config.root, config.endpoint, config.region, config.lease_timeout_s)
 
     def settings(self) -> StoreConfig:
         """This store as config (absolute root, resolved endpoint): what other processes
         (Ray actors, KFP tasks) need to open the same store. No credentials in it."""
         from drmas.config import StoreConfig  # noqa: PLC0415
 
-        return StoreConfig(root=self.root, endpoint=self.endpoint, region=self.region)
+        return StoreConfig(
+            root=self.root, endpoint=self.endpoint, region=self.region, lease_timeout_s=self.lease_timeout_s
+        )
 
     def __repr__(self) -> str:
         where = f" at {self.endpoint}" if self.endpoint else ""
@@ -397,8 +407,12 @@ class ArtifactWriter:
     overwrite: bool
     meta: dict[str, Any]
     files: dict[str, FileEntry] = field(default_factory=dict)
+    fenced: bool = False
+    """The store's write guard stopped this writer: the artifact is left as it is (another
+    process holds the run now and may be writing it)."""
 
     def __enter__(self) -> ArtifactWriter:
+        self._guard()
         if self.store.exists(self.path):
             if not self.overwrite:
                 raise ArtifactExists(
@@ -414,6 +428,7 @@ class ArtifactWriter:
             self._discard()
             return
         try:
+            self._guard()
             self._write_manifest()
         except BaseException:
             self._discard()
@@ -424,6 +439,7 @@ class ArtifactWriter:
         name = _clean(name)
         if name == MANIFEST or name in self.files:
             raise StoreError(f"{self.store.uri(self.path, name)}: written twice or reserved")
+        self._guard()
         absolute = self.store._abs(self.path, name)
         faults.reached(self.path, len(self.files) + 1, lambda: self.store._write(absolute, data[: len(data) // 2]))
         self.store._write(absolute, data)
@@ -463,8 +479,20 @@ class ArtifactWriter:
         faults.reached(self.path, "manifest")
         self.store._write_atomically(self.store._abs(self.path, MANIFEST), data)
 
+    def _guard(self) -> None:
+        if self.store.write_guard is None:
+            return
+        try:
+            self.store.write_guard()
+        except BaseException:
+            self.fenced = True
+            raise
+
     def _discard(self) -> None:
-        """Best effort, one attempt: a store that is down already cost the retry window."""
+        """Best effort, one attempt: a store that is down already cost the retry window.
+        A fenced writer discards nothing: the files may be the new holder's."""
+        if self.fenced:
+            return
         try:
             self.store.delete(self.path, retry=False)
         except (StoreError, OSError):

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from drmas.config import DrmasConfig
 from drmas.infra.caching import is_cached
+from drmas.infra.lease import stage_lease
 from drmas.infra.store import Store
 
 __all__ = [
@@ -98,10 +99,17 @@ def reuse_or_compute(
     artifact) does no work when its inputs' content did not change, and KFP runs,
     ``drmas run`` and ``drmas rerun`` share outputs. Returns whether the output was reused;
     with a ``label``, also says so (``announce``).
+
+    The check and the work run holding the lease of ``path`` (``drmas.infra.lease.stage_lease``):
+    a retry of this task while an earlier attempt still writes waits for it (and then reuses
+    its output), takes over from one that died, and is refused (RunBusy) when it waited for
+    twice ``store.lease_timeout_s`` in vain; parallel tasks writing other outputs of the run
+    (the worker groups' updates) do not wait for each other.
     """
-    reused = not force and is_cached(store, path, key)
-    if not reused:
-        compute()
+    with stage_lease(store, path):
+        reused = not force and is_cached(store, path, key)
+        if not reused:
+            compute()
     if label is not None:
         announce(label, reused, store.uri(path))
     return reused
