@@ -51,8 +51,8 @@ def drmas_run(tmp_path: Path, *args: str, wait: bool = True, config: str = "math
 
 
 def drmas_here(capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str, *args: str) -> tuple[int, str, str]:
-    """``drmas COMMAND`` on the tiny math config with the settings of ``drmas_run``, in this
-    process with ``tmp_path`` as its working folder: its exit status, stdout and stderr."""
+    """``drmas COMMAND`` on the tiny math config with the settings of ``drmas_run`` and its
+    store under ``tmp_path``, in this process: its exit status, stdout and stderr."""
     capsys.readouterr()
     status = main([command, str(ROOT / "configs" / "math_tiny.yaml"), *SMALL, f"store.root={tmp_path / 'runs'}", *args])
     out, err = capsys.readouterr()
