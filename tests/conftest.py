@@ -1,4 +1,6 @@
-"""Shared fixtures: a real S3 server (SeaweedFS on 127.0.0.1) and a store on each backend.
+"""Shared fixtures: a real S3 server (SeaweedFS on 127.0.0.1), a store on each backend, a
+local Ray, and one real trained run on S3 that several modules read (each copies it before
+it changes anything).
 
 The server is started once per test session by this fixture and stopped by its PID; its
 credentials are random, so tests can also check that they never leak into messages.
@@ -8,9 +10,17 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
 import uuid
+from dataclasses import dataclass
+from pathlib import Path
 
+import pyarrow.fs as pafs
 import pytest
+from helpers import ROOT, TINY_OVERRIDES
 from locals3 import LocalS3Server
 
 from drmas.infra.store import Store
@@ -65,3 +75,83 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory):
     yield
     if started:
         ray.shutdown()
+
+
+TRAINED_RUN = "secret-scan-run"
+TRAINED_SETTINGS = [*TINY_OVERRIDES, "eval.every=0"]
+"""The run id and the settings of ``trained_run`` (a resume of it must repeat them)."""
+
+
+@dataclass
+class TrainedRun:
+    """A one-iteration run of ``configs/math_tiny.yaml`` that ``drmas run`` trained."""
+
+    root: str
+    """Its store root on the S3 server."""
+    endpoint: str
+    folder: Path
+    """The working folder of the run (its MLflow database and caches)."""
+    ray_dir: Path
+    output: str
+    secrets: dict[str, str]
+    """The credentials and token that were in its environment, by variable."""
+
+
+@pytest.fixture(scope="session")
+def trained_run(s3_server: LocalS3Server, tmp_path_factory: pytest.TempPathFactory):
+    """``drmas run`` for one iteration (warm start, Ray, tiny models) on the real S3
+    server, its credentials and an MLflow token in the environment, Ray's session folder
+    kept where it can be read: trained once for the session (about 35 s) and read by
+    test_security.py (which scans it for the secrets) and test_bad_input.py (which damages
+    copies of it). Never change it in place: copy it with ``copy_trained_run`` first."""
+    folder = tmp_path_factory.mktemp("trained-run")
+    ray_dir = Path(tempfile.mkdtemp(prefix="drmas-sec-"))  # short: Ray's socket paths
+    planted = {
+        "AWS_ACCESS_KEY_ID": s3_server.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+        "MLFLOW_TRACKING_TOKEN": f"mlflow-token-{secrets.token_hex(12)}",
+    }
+    root = f"s3://{S3_BUCKET}/{uuid.uuid4().hex}"
+    env = {key: value for key, value in os.environ.items() if key != "AWS_SESSION_TOKEN"}
+    env |= planted | {"HF_HUB_OFFLINE": "1", "RAY_TMPDIR": str(ray_dir)}
+    command = [
+        str(Path(sys.executable).parent / "drmas"),
+        "run",
+        str(ROOT / "configs" / "math_tiny.yaml"),
+        *TRAINED_SETTINGS,
+        "experiment.iterations=1",
+        f"store.root={root}",
+        f"store.endpoint={s3_server.endpoint}",
+        "--run-id",
+        TRAINED_RUN,
+    ]
+    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    yield TrainedRun(root, s3_server.endpoint, folder, ray_dir, done.stdout + done.stderr, planted)
+    shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+def copy_trained_run(run: TrainedRun, destination: str) -> None:
+    """Copy the trained run's store to ``destination``: a local folder or another
+    ``s3://`` root on the same server (a moved store is the same run)."""
+    s3 = pafs.S3FileSystem(
+        endpoint_override=run.endpoint.removeprefix("http://"),
+        scheme="http",
+        region="us-east-1",
+        access_key=run.secrets["AWS_ACCESS_KEY_ID"],
+        secret_key=run.secrets["AWS_SECRET_ACCESS_KEY"],
+    )
+    if destination.startswith("s3://"):
+        target_fs, target = s3, destination.removeprefix("s3://")
+    else:
+        target_fs, target = pafs.LocalFileSystem(), str(Path(destination).resolve())
+    pafs.copy_files(run.root.removeprefix("s3://"), target, source_filesystem=s3, destination_filesystem=target_fs)
+
+
+@pytest.fixture(scope="session")
+def local_trained_run(trained_run: TrainedRun, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The trained run copied from S3 to a local store root, once: run ``TRAINED_RUN`` is
+    in it. Copy this folder too before changing anything in it."""
+    root = tmp_path_factory.mktemp("trained-local") / "runs"
+    copy_trained_run(trained_run, str(root))
+    return root

@@ -6,7 +6,8 @@ Configs and data files go through the command line: ``drmas.cli.main``, in this 
 (the console script calls the same function; test_project.py runs it as a process). Model
 outputs go through every agent's parser, both reward functions and one rollout stage.
 Damaged and foreign artifacts go through ``drmas rerun``, ``drmas run --resume`` and
-``drmas eval`` on a real run that ``drmas run`` trained.
+``drmas eval`` on copies of a real run that ``drmas run`` trained (conftest.py's
+``trained_run``, shared with test_security.py).
 
 Covered elsewhere, not repeated: the wording of each config problem (test_config.py),
 each data loader error (test_math_task.py, test_search_task.py), the store's refusal of
@@ -15,11 +16,8 @@ modified, truncated and damaged artifacts at the API (test_store.py).
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import TRAINED_RUN, TRAINED_SETTINGS
 from helpers import TINY_OVERRIDES
 from test_orchestras import ScriptedPool
 
@@ -53,9 +52,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MATH = str(ROOT / "configs" / "math_tiny.yaml")
 SEARCH = str(ROOT / "configs" / "search_tiny.yaml")
 EXPERIMENT = "math-tiny"
-RUN = "base"
-BASE = [*TINY_OVERRIDES, "eval.every=0"]
-"""The settings of the trained run below (a resume must repeat them)."""
+RUN = TRAINED_RUN
+BASE = TRAINED_SETTINGS
+"""The settings of the trained run (conftest.py; a resume must repeat them)."""
 
 
 def drmas(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -323,33 +322,12 @@ def test_a_rollout_of_hostile_outputs_completes_and_penalises_every_call(tmp_pat
 # --------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory) -> Path:
-    """A real one-iteration run (``drmas run``, warm start, Ray, tiny models) whose store
-    each test copies and damages: ``{folder}/runs`` holds run ``base``."""
-    folder = tmp_path_factory.mktemp("trained")
-    command = [
-        str(Path(sys.executable).parent / "drmas"),
-        "run",
-        MATH,
-        *BASE,
-        "experiment.iterations=1",
-        f"store.root={folder / 'runs'}",
-        "--run-id",
-        RUN,
-    ]
-    done = subprocess.run(
-        command, cwd=folder, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return folder / "runs"
-
-
 @pytest.fixture
-def run_copy(trained_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Store:
-    """A copy of the trained run's store (a moved store is the same run), the working
-    folder beside it, and Ray out of reach: every case here must stop before Ray starts."""
-    shutil.copytree(trained_run, tmp_path / "runs")
+def run_copy(local_trained_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Store:
+    """A copy of the trained run's store that each test damages (a moved store is the same
+    run), the working folder beside it, and Ray out of reach: every case here must stop
+    before Ray starts."""
+    shutil.copytree(local_trained_run, tmp_path / "runs")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("drmas.generation.pool.connect_ray", refuse_ray)
     return Store(str(tmp_path / "runs"))

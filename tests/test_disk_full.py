@@ -22,7 +22,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import TINY_OVERRIDES
+from conftest import TRAINED_RUN, TRAINED_SETTINGS
 
 ROOT = Path(__file__).parent.parent
 DRMAS = Path(sys.executable).parent / "drmas"
@@ -185,22 +185,25 @@ with open(sys.argv[1], 'wb', buffering=0) as filler:
             while True: filler.write(b'x' * chunk)
         except OSError: pass
 " "$DISK/filler"; }
-run --run-id full experiment.iterations=1 > "$OUT/first.log" 2>&1; echo $? > "$OUT/first.rc"
-cp -a "$DISK/runs/math-tiny/full/iter-000000/checkpoint" "$OUT/checkpoint-before"
+cp -a "$TRAINED" "$DISK/runs"
+cp -a "$DISK/runs/math-tiny/$RUN/iter-000000/checkpoint" "$OUT/checkpoint-before"
 fill
-run --resume full experiment.iterations=2 > "$OUT/full.log" 2>&1; echo $? > "$OUT/full.rc"
-cp -a "$DISK/runs/math-tiny/full/iter-000000/checkpoint" "$OUT/checkpoint-after"
+run --resume "$RUN" experiment.iterations=2 > "$OUT/full.log" 2>&1; echo $? > "$OUT/full.rc"
+cp -a "$DISK/runs/math-tiny/$RUN/iter-000000/checkpoint" "$OUT/checkpoint-after"
 find "$DISK/runs" -name _MANIFEST.json | sort > "$OUT/manifests-after-full.txt"
 rm "$DISK/filler"
-run --resume full experiment.iterations=2 > "$OUT/resumed.log" 2>&1; echo $? > "$OUT/resumed.rc"
+run --resume "$RUN" experiment.iterations=2 > "$OUT/resumed.log" 2>&1; echo $? > "$OUT/resumed.rc"
 find "$DISK/runs" -name _MANIFEST.json | sort > "$OUT/manifests-at-end.txt"
 """
+"""The store starts as a copy of the session's trained run (one complete iteration): the
+first iteration's checkpoint is what the full disk must leave intact."""
 
 
 @pytest.mark.slow
-def test_run_on_full_disk_stops_then_resumes(small_disk: Path, tmp_path: Path):
-    """`drmas run` whose store's disk is full: non-zero exit with a clear message, the last
-    complete checkpoint untouched; once space is freed, --resume completes the run."""
+def test_run_on_full_disk_stops_then_resumes(small_disk: Path, local_trained_run: Path, tmp_path: Path):
+    """`drmas run --resume` of a run whose store's disk is full: non-zero exit with a clear
+    message, the last complete checkpoint untouched; once space is freed, --resume
+    completes the run."""
     out = tmp_path / "out"
     out.mkdir()
     env = {
@@ -210,17 +213,21 @@ def test_run_on_full_disk_stops_then_resumes(small_disk: Path, tmp_path: Path):
         "DRMAS": str(DRMAS),
         "PYTHON": sys.executable,
         "CONFIG": str(ROOT / "configs" / "math_tiny.yaml"),
-        "OVERRIDES": " ".join([*TINY_OVERRIDES, "warmstart.steps=0", "eval.every=0"]),
+        "OVERRIDES": " ".join(TRAINED_SETTINGS),
+        "TRAINED": str(local_trained_run),
+        "RUN": TRAINED_RUN,
         "HF_HUB_OFFLINE": "1",
     }
     done = on_small_disk(small_disk, "64m", RUN_ON_FULL_DISK, timeout=400, cwd=tmp_path, env=env)
-    logs = {name: (out / f"{name}.log").read_text() for name in ("first", "full", "resumed")}
-    codes = {name: (out / f"{name}.rc").read_text().strip() for name in ("first", "full", "resumed")}
-    assert codes["first"] == "0", logs["first"] + done.stdout
+    logs = {name: (out / f"{name}.log").read_text() for name in ("full", "resumed")}
+    codes = {name: (out / f"{name}.rc").read_text().strip() for name in ("full", "resumed")}
+    run = f"{small_disk}/runs/math-tiny/{TRAINED_RUN}"
 
-    assert codes["full"] == "1", logs["full"]
-    [message] = [line for line in logs["full"].splitlines() if line.startswith("drmas run: cannot continue run full:")]
-    assert f"{small_disk}/runs/math-tiny/full/iter-000001/" in message and "No space left on device" in message
+    assert codes["full"] == "1", logs["full"] + done.stdout
+    [message] = [
+        line for line in logs["full"].splitlines() if line.startswith(f"drmas run: cannot continue run {TRAINED_RUN}:")
+    ]
+    assert f"{run}/iter-000001/" in message and "No space left on device" in message
     assert "Traceback" not in logs["full"]
     before, after = out / "checkpoint-before", out / "checkpoint-after"
     assert sorted(p.name for p in after.iterdir()) == sorted(p.name for p in before.iterdir())
@@ -229,7 +236,4 @@ def test_run_on_full_disk_stops_then_resumes(small_disk: Path, tmp_path: Path):
 
     assert codes["resumed"] == "0", logs["resumed"]
     assert "iter 1:" in logs["resumed"] and "iter 0:" not in logs["resumed"]
-    assert (
-        f"{small_disk}/runs/math-tiny/full/iter-000001/checkpoint/_MANIFEST.json"
-        in (out / "manifests-at-end.txt").read_text()
-    )
+    assert f"{run}/iter-000001/checkpoint/_MANIFEST.json" in (out / "manifests-at-end.txt").read_text()

@@ -1,5 +1,10 @@
 """Exact resume: a run killed after its second iteration and resumed ends with the same
-weights, bit for bit, as a run that was never interrupted (CPU, same machine)."""
+weights, bit for bit, as a run that was never interrupted (CPU, same machine).
+
+The runs that train (and the one that is killed) are ``drmas`` processes; the commands that
+stop before Ray starts (a rerun of the advantage stage, a resume with nothing left to do,
+a resume with a changed config) call ``drmas.cli.main`` in this process, as the console
+script does, which spares a process start each."""
 
 from __future__ import annotations
 
@@ -12,6 +17,9 @@ from pathlib import Path
 
 import pytest
 from helpers import TINY_OVERRIDES
+from test_bad_input import refuse_ray
+
+from drmas.cli import main
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parent.parent
@@ -42,12 +50,23 @@ def drmas_run(tmp_path: Path, *args: str, wait: bool = True, config: str = "math
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
 
+def drmas_here(capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str, *args: str) -> tuple[int, str, str]:
+    """``drmas COMMAND`` on the tiny math config with the settings of ``drmas_run`` and its
+    store under ``tmp_path``, in this process: its exit status, stdout and stderr."""
+    capsys.readouterr()
+    status = main([command, str(ROOT / "configs" / "math_tiny.yaml"), *SMALL, f"store.root={tmp_path / 'runs'}", *args])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
 def weights(tmp_path: Path, run: str) -> dict[str, bytes]:
     folder = tmp_path / "runs" / "math-tiny" / run / "iter-000002" / "policy"
     return {wg: (folder / wg / "model.safetensors").read_bytes() for wg in ("solver", "verifier")}
 
 
-def test_kill_and_resume_equals_uninterrupted(tmp_path):
+def test_kill_and_resume_equals_uninterrupted(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the working folder of the commands run in this process
+    monkeypatch.setattr("drmas.generation.pool.connect_ray", refuse_ray)  # they stop before Ray
     full = drmas_run(tmp_path, "--run-id", "full", "eval.every=2", "eval.max_questions=3", "eval.k=2")
     assert full.returncode == 0, full.stdout + full.stderr
     assert "iter 2:" in full.stdout and "before training: eval avg@2" in full.stdout
@@ -55,7 +74,7 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
     assert table.splitlines()[1].startswith("eval avg@2") and "solver valid outputs" in table
     assert f"checkpoint: {tmp_path / 'runs'}/math-tiny/full/iter-000002/checkpoint" in full.stdout
     assert_tracked(tmp_path, "full")
-    assert_rerun_recomputes_only_the_stage(tmp_path)
+    assert_rerun_recomputes_only_the_stage(tmp_path, capsys)
 
     killed = drmas_run(tmp_path, "--run-id", "cut", "eval.every=2", "eval.max_questions=3", "eval.k=2", wait=False)
     marker = tmp_path / "runs" / "math-tiny" / "cut" / "iter-000001" / "checkpoint" / "_MANIFEST.json"
@@ -72,8 +91,10 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
     assert "iter 0:" not in resumed.stdout and "iter 2:" in resumed.stdout
     assert weights(tmp_path, "cut") == weights(tmp_path, "full")
 
-    again = drmas_run(tmp_path, "--resume", "cut", "eval.every=2", "eval.max_questions=3", "eval.k=2")
-    assert again.returncode == 0 and "nothing left to do" in again.stdout
+    status, out, _ = drmas_here(
+        capsys, tmp_path, "run", "--resume", "cut", "eval.every=2", "eval.max_questions=3", "eval.k=2"
+    )
+    assert status == 0 and "nothing left to do" in out
 
     # A damaged last checkpoint: say which file and stop, non-zero; never run zero steps.
     optimizer = tmp_path / "runs" / "math-tiny" / "cut" / "iter-000002" / "optim" / "solver" / "optimizer.safetensors"
@@ -84,10 +105,10 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
     assert broken.returncode == 1
     assert "optim/solver/optimizer.safetensors" in broken.stderr and "manifest" in broken.stderr
 
-    changed = drmas_run(
-        tmp_path, "--resume", "full", "eval.every=2", "eval.max_questions=3", "eval.k=2", "train.lr=0.5"
+    status, _, err = drmas_here(
+        capsys, tmp_path, "run", "--resume", "full", "eval.every=2", "eval.max_questions=3", "eval.k=2", "train.lr=0.5"
     )
-    assert changed.returncode == 1 and "train.lr: the run was started with 0.001, now 0.5" in changed.stderr
+    assert status == 1 and "train.lr: the run was started with 0.001, now 0.5" in err
 
 
 def assert_tracked(tmp_path: Path, run: str) -> None:
@@ -153,18 +174,16 @@ def test_search_team_end_to_end(tmp_path):
     assert "iter 1:" in done.stdout
 
 
-def assert_rerun_recomputes_only_the_stage(tmp_path: Path) -> None:
+def assert_rerun_recomputes_only_the_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`drmas rerun` of the advantage stage reproduces the stored batch byte for byte, and
     every other stage of the iteration is a cache hit (their manifests are untouched)."""
     iteration = tmp_path / "runs" / "math-tiny" / "full" / "iter-000001"
     manifests = {path: path.read_bytes() for path in iteration.glob("*/**/_MANIFEST.json")}
     batch = (iteration / "advantage" / "batch.parquet").read_bytes()
-    command = [
-        str(Path(sys.executable).parent / "drmas"),
+    status, out, err = drmas_here(
+        capsys,
+        tmp_path,
         "rerun",
-        str(ROOT / "configs" / "math_tiny.yaml"),
-        *SMALL,
-        f"store.root={tmp_path / 'runs'}",
         "eval.every=2",
         "eval.max_questions=3",
         "eval.k=2",
@@ -174,12 +193,11 @@ def assert_rerun_recomputes_only_the_stage(tmp_path: Path) -> None:
         "1",
         "--stage",
         "advantage",
-    ]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+    )
+    assert status == 0, out + err
     assert (
-        "recomputed: advantage;" in done.stdout
-        and "cache hits: rollout, policy/solver, policy/verifier, evaluate, checkpoint" in done.stdout
+        "recomputed: advantage;" in out
+        and "cache hits: rollout, policy/solver, policy/verifier, evaluate, checkpoint" in out
     )
     assert (iteration / "advantage" / "batch.parquet").read_bytes() == batch
     changed = [p for p, data in manifests.items() if p.read_bytes() != data]

@@ -27,14 +27,12 @@ import logging
 import os
 import pickle
 import re
-import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,8 +42,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import S3_BUCKET
-from helpers import TINY_OVERRIDES, stored_rollout
+from conftest import S3_BUCKET, TRAINED_RUN, TRAINED_SETTINGS, TrainedRun, copy_trained_run
+from helpers import stored_rollout
 from test_bad_input import record_policy
 
 from drmas.config import ModelSpec, StoreConfig
@@ -66,9 +64,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MATH = str(ROOT / "configs" / "math_tiny.yaml")
 DRMAS = str(Path(sys.executable).parent / "drmas")
 EXPERIMENT = "math-tiny"
-RUN = "secret-scan-run"
-BASE = [*TINY_OVERRIDES, "eval.every=0"]
-"""The settings of the S3 run below (a resume must repeat them)."""
+RUN = TRAINED_RUN
+BASE = TRAINED_SETTINGS
+"""The settings of the trained run (conftest.py; a resume must repeat them)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -396,48 +394,6 @@ def test_model_output_is_never_evaluated(payload, runtime, tmp_path):
 # --------------------------------------------------------------------------------------
 
 
-@dataclass
-class SecretRun:
-    root: str
-    endpoint: str
-    folder: Path
-    """The working folder of the run (its MLflow database and caches)."""
-    ray_dir: Path
-    output: str
-    secrets: dict[str, str]
-
-
-@pytest.fixture(scope="module")
-def secret_run(s3_server, tmp_path_factory) -> SecretRun:
-    """``drmas run`` for one iteration on the real S3 server, its credentials and an
-    MLflow token in the environment, Ray's session folder kept where it can be read."""
-    folder = tmp_path_factory.mktemp("secret-run")
-    ray_dir = Path(tempfile.mkdtemp(prefix="drmas-sec-"))  # short: Ray's socket paths
-    planted = {
-        "AWS_ACCESS_KEY_ID": s3_server.access_key,
-        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
-        "MLFLOW_TRACKING_TOKEN": f"mlflow-token-{secrets.token_hex(12)}",
-    }
-    root = f"s3://{S3_BUCKET}/{uuid.uuid4().hex}"
-    env = {key: value for key, value in os.environ.items() if key != "AWS_SESSION_TOKEN"}
-    env |= planted | {"HF_HUB_OFFLINE": "1", "RAY_TMPDIR": str(ray_dir)}
-    command = [
-        DRMAS,
-        "run",
-        MATH,
-        *BASE,
-        "experiment.iterations=1",
-        f"store.root={root}",
-        f"store.endpoint={s3_server.endpoint}",
-        "--run-id",
-        RUN,
-    ]
-    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    yield SecretRun(root, s3_server.endpoint, folder, ray_dir, done.stdout + done.stderr, planted)
-    shutil.rmtree(ray_dir, ignore_errors=True)
-
-
 def readable(name: str, data: bytes) -> bytes:
     """A file's bytes, with its cells decoded when it is Parquet (compressed pages would
     hide a string from a byte search)."""
@@ -447,7 +403,7 @@ def readable(name: str, data: bytes) -> bytes:
     return data + json.dumps(table.to_pylist(), default=str).encode()
 
 
-def store_objects(run: SecretRun) -> dict[str, bytes]:
+def store_objects(run: TrainedRun) -> dict[str, bytes]:
     fs = pafs.S3FileSystem(
         endpoint_override=run.endpoint.removeprefix("http://"),
         scheme="http",
@@ -501,12 +457,12 @@ def test_the_scan_finds_a_string_hidden_in_compressed_parquet(tmp_path):
 
 
 @pytest.mark.slow
-def test_no_credential_appears_in_anything_the_run_wrote(secret_run):
-    sources = {"output": secret_run.output.encode()}
-    sources |= store_objects(secret_run)
-    sources |= local_files(secret_run.folder, "working folder")
-    sources |= local_files(secret_run.ray_dir, "ray")
-    sources |= mlflow_view(secret_run.folder)
+def test_no_credential_appears_in_anything_the_run_wrote(trained_run):
+    sources = {"output": trained_run.output.encode()}
+    sources |= store_objects(trained_run)
+    sources |= local_files(trained_run.folder, "working folder")
+    sources |= local_files(trained_run.ray_dir, "ray")
+    sources |= mlflow_view(trained_run.folder)
     # The scan reads each kind of source: the run id is in all of them but Ray's logs.
     assert "output" in holding(sources, RUN)
     assert any(name.endswith("trajectories.parquet") for name in holding(sources, RUN))
@@ -514,16 +470,18 @@ def test_no_credential_appears_in_anything_the_run_wrote(secret_run):
     assert "mlflow:params+tags" in holding(sources, RUN)
     assert any(name.startswith("ray:") and name.endswith(".log") and sources[name] for name in sources)
     config = next(name for name in sources if name.endswith(f"{RUN}/run/config.json"))
-    assert json.loads(sources[config])["store"]["root"] == secret_run.root  # the resolved config was scanned
-    leaks = {label: holding(sources, secret) for label, secret in secret_run.secrets.items()}
-    assert leaks == {label: [] for label in secret_run.secrets}, f"scanned {len(sources)} sources"
+    assert json.loads(sources[config])["store"]["root"] == trained_run.root  # the resolved config was scanned
+    leaks = {label: holding(sources, secret) for label, secret in trained_run.secrets.items()}
+    assert leaks == {label: [] for label in trained_run.secrets}, f"scanned {len(sources)} sources"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["resume", "eval"])
-def test_a_pickled_policy_in_the_store_is_refused_by_the_commands(command, secret_run, s3_env, tmp_path):
+def test_a_pickled_policy_in_the_store_is_refused_by_the_commands(command, trained_run, s3_env, tmp_path):
     marker = tmp_path / "pwned"
-    store = Store(secret_run.root, secret_run.endpoint)
+    root = f"s3://{S3_BUCKET}/{uuid.uuid4().hex}"
+    copy_trained_run(trained_run, root)
+    store = Store(root, trained_run.endpoint)
     path = policy_path(EXPERIMENT, RUN, 0, "solver")
     folder = pickled_policy(store.open(path).download(tmp_path / "stored"), tmp_path / "policy", marker)
     with store.writer(path, overwrite=True, meta=store.open(path).meta) as out:
@@ -537,7 +495,7 @@ def test_a_pickled_policy_in_the_store_is_refused_by_the_commands(command, secre
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
-        [DRMAS, *args, *BASE, f"store.root={secret_run.root}", f"store.endpoint={secret_run.endpoint}"],
+        [DRMAS, *args, *BASE, f"store.root={root}", f"store.endpoint={trained_run.endpoint}"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

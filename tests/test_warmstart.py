@@ -158,23 +158,28 @@ def test_questions_outside_the_generated_world_have_no_demonstrations():
 
 
 @pytest.mark.slow
-def test_warm_start_trains_each_worker_group_reproducibly(tmp_path):
-    """Both groups are fine-tuned (in parallel processes) into their own artifacts; the same
-    seed gives the same weights, whatever order the processes finish in."""
+def test_warm_start_trains_each_worker_group_reproducibly(tmp_path, monkeypatch):
+    """Both groups are fine-tuned into their own artifacts, once in parallel processes and
+    once in this process, in turn (a warm start of a few steps): the same seed gives the
+    same weights either way, whatever order the processes finish in."""
+    import torch
     from helpers import TINY_OVERRIDES
 
     from drmas.infra.store import Store
+    from drmas.stages import warmstart as W
     from drmas.stages.policies import init_policies
-    from drmas.stages.warmstart import warmstart
 
     weights = []
-    for attempt in ("a", "b"):
+    for attempt, in_process_steps in (("processes", 2), ("in turn", 3)):
+        monkeypatch.setattr(W, "IN_PROCESS_STEPS", in_process_steps)
         config = load_config(
             ROOT / "configs" / "math_tiny.yaml",
             [*TINY_OVERRIDES, "warmstart.steps=3", f"store.root={tmp_path / attempt}"],
         )
         store = Store.from_config(config.store)
-        warmed = warmstart(config, store, "r", init_policies(config, store, "r"))
+        threads = torch.get_num_threads()
+        warmed = W.warmstart(config, store, "r", init_policies(config, store, "r"))
+        assert torch.get_num_threads() == threads  # this process's threads are given back
         assert sorted(warmed) == ["solver", "verifier"]
         for wg, ref in warmed.items():
             metrics = store.open(ref.artifact).read_json("metrics.json")

@@ -38,6 +38,8 @@ import sys
 import time
 import types
 import typing
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -397,16 +399,17 @@ def _rerun(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from drmas.analysis.compare import compare  # noqa: PLC0415
 
-    _load(args)  # validates the config and the overrides before any run starts
+    config = _load(args)  # validates the config and the overrides before any run starts
     modes = [mode.strip() for mode in args.advantage.split(",") if mode.strip()]
     if not modes or any(mode not in ("grpo", "drmas") for mode in modes) or args.seeds < 1:
         return _fail(
             "compare", f"--advantage takes grpo and/or drmas (got {args.advantage!r}) and --seeds at least 1", 2
         )
+    cache_dir = Path(".cache") / "drmas"
     try:
-        runs, report = compare(
-            args.config, args.overrides, modes, list(range(args.seeds)), args.name, cache_dir=Path(".cache") / "drmas"
-        )
+        # One Ray for all the runs: each run's pool would otherwise start and stop its own.
+        with _ray(config, cache_dir / "ray"):
+            runs, report = compare(args.config, args.overrides, modes, list(range(args.seeds)), args.name, cache_dir)
     except _stopping_errors() as error:
         return _fail("compare", error)
     except KeyboardInterrupt:
@@ -417,7 +420,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     """Evaluate a checkpoint; results go to ``iter-I/evaluate-{hash of the eval settings}``."""
-    from drmas.generation.pool import RayPool, connect_ray  # noqa: PLC0415
+    from drmas.generation.pool import RayPool  # noqa: PLC0415
     from drmas.generation.workers import PolicyRef  # noqa: PLC0415
     from drmas.infra.layout import policy_path, stage_path  # noqa: PLC0415
     from drmas.infra.store import Store  # noqa: PLC0415
@@ -446,15 +449,8 @@ def _eval(args: argparse.Namespace) -> int:
                 g.name: PolicyRef(policy_path(experiment, args.run_id, iteration, g.name))
                 for g in config.worker_groups()
             }
-            started = connect_ray(config)
-            try:
-                with RayPool(config, store) as pool:
-                    metrics = evaluate(config, store, path, policies, pool).metrics
-            finally:
-                if started:
-                    import ray  # noqa: PLC0415
-
-                    ray.shutdown()
+            with _ray(config), RayPool(config, store) as pool:
+                metrics = evaluate(config, store, path, policies, pool).metrics
     except _stopping_errors() as error:
         return _fail("eval", error)
     print(f"{store.uri(path)}")
@@ -511,6 +507,22 @@ def _refuse_unless_it_fits(command: str, config: DrmasConfig) -> int | None:
         f"drmas plan prints the whole plan:\n{problems}",
         2,
     )
+
+
+@contextmanager
+def _ray(config: DrmasConfig, temp_dir: Path | None = None) -> Iterator[None]:
+    """Ray for the command's duration: the one ``ray.address`` names, or a local one that
+    is shut down at the end (only when this call started it)."""
+    from drmas.generation.pool import connect_ray  # noqa: PLC0415
+
+    started = connect_ray(config, temp_dir)
+    try:
+        yield
+    finally:
+        if started:
+            import ray  # noqa: PLC0415
+
+            ray.shutdown()
 
 
 def _pipeline_options(command: argparse.ArgumentParser, run_id: bool = True) -> None:

@@ -54,7 +54,9 @@ def warmstart(config: DrmasConfig, store: Store, run_id: str, init: dict[str, Po
     Worker groups train at the same time, one process each with an equal share of the
     cores: the groups are independent, and on CPU two single-threaded trainings finish
     sooner than two two-threaded ones in turn. Each group draws its batches from its own
-    seeded stream, so the result does not depend on which finishes first.
+    seeded stream, so the result does not depend on which finishes first. A warm start of
+    at most ``IN_PROCESS_STEPS`` steps trains the groups in this process, one after the
+    other with the same share of the cores each, so with the same weights.
     """
     demos = _demonstrations(config, store)
     result, todo = {}, []
@@ -68,12 +70,35 @@ def warmstart(config: DrmasConfig, store: Store, run_id: str, init: dict[str, Po
             )
     if len(todo) == 1:
         _warm_one(*todo[0], threads=torch.get_num_threads())
+    elif todo and config.warmstart.steps <= IN_PROCESS_STEPS:
+        _warm_in_turn(todo, threads=_thread_share(len(todo)))
     elif todo:
-        threads = max(1, (os.cpu_count() or 1) // len(todo))
         with ProcessPoolExecutor(max_workers=len(todo), mp_context=multiprocessing.get_context("spawn")) as workers:
-            for done in [workers.submit(_warm_one, *job, threads=threads) for job in todo]:
+            for done in [workers.submit(_warm_one, *job, threads=_thread_share(len(todo))) for job in todo]:
                 done.result()  # re-raises a group's failure here
     return result
+
+
+IN_PROCESS_STEPS = 20
+"""Up to this many steps, the worker groups warm-start in this process, in turn: a spawned
+process costs several seconds of start-up (importing torch and transformers), more than
+a few steps of a small model's training; a smoke run or a test would mostly wait for it."""
+
+
+def _thread_share(groups: int) -> int:
+    """Each group's share of the cores when the groups train at the same time."""
+    return max(1, (os.cpu_count() or 1) // groups)
+
+
+def _warm_in_turn(todo: list[tuple], threads: int) -> None:
+    """The groups' warm starts one after the other in this process, each on ``threads``
+    threads as in its own process (the same thread count gives the same weights)."""
+    before = torch.get_num_threads()
+    try:
+        for job in todo:
+            _warm_one(*job, threads=threads)
+    finally:
+        torch.set_num_threads(before)
 
 
 def _demonstrations(config: DrmasConfig, store: Store) -> Demonstrations:
