@@ -11,7 +11,9 @@ on the spot, exactly as ``kill -9`` would, Ray workers and update processes incl
     DRMAS_KILL_AT="iter-000000/checkpoint#manifest"    after every file, before the manifest
 
 The part before ``#`` matches the end of an artifact's path. Unset, ``reached`` costs one
-dictionary lookup per file.
+dictionary lookup per file. A write made by a pool worker (the update's rank 0 writes its
+artifacts in a Ray actor) kills the run that started it: the run's process group is named
+to its children in ``RUN_GROUP`` when the run leads a session of its own.
 """
 
 from __future__ import annotations
@@ -20,9 +22,20 @@ import os
 import signal
 from collections.abc import Callable
 
-__all__ = ["KILL_AT", "reached"]
+__all__ = ["KILL_AT", "RUN_GROUP", "reached"]
 
 KILL_AT = "DRMAS_KILL_AT"
+RUN_GROUP = "DRMAS_KILL_GROUP"
+
+
+def _name_the_run_group() -> None:
+    """A run started in a session of its own (as the tests start the CLI) names its process
+    group to the processes it starts (Ray's workers inherit the environment)."""
+    if os.environ.get(KILL_AT) and os.getsid(0) == os.getpgid(0) == os.getpid():
+        os.environ.setdefault(RUN_GROUP, str(os.getpid()))
+
+
+_name_the_run_group()
 
 
 def reached(artifact: str, position: int | str, write_half: Callable[[], None] | None = None) -> None:
@@ -46,7 +59,10 @@ def reached(artifact: str, position: int | str, write_half: Callable[[], None] |
 def _kill_run() -> None:
     """SIGKILL the run's whole process group when the run has a session of its own (a test
     starts the CLI with ``start_new_session``; its Ray and update processes share it), else
-    only this process: never a shell's or a test runner's group."""
+    only this process: never a shell's or a test runner's group. In a process the run
+    started (a pool worker), the run's group as the run named it."""
+    if named := os.environ.get(RUN_GROUP):
+        os.killpg(int(named), signal.SIGKILL)
     group = os.getpgid(0)
     if os.getsid(0) == group:
         os.killpg(group, signal.SIGKILL)
