@@ -290,6 +290,9 @@ def test_kfp_local_runs_every_stage_then_recomputes_only_the_forced_one(tmp_path
     assert set(tasks.values()) == {"executed"}
     assert set(tasks) == {"warmstart", "rollout", "advantage", "update", "update-2", "checkpoint", "evaluate"}
     assert set(stage_lines(output).values()) == {"computed"}
+    # The run's pool outlives its tasks: the rollout starts it, the updates and the
+    # evaluation (thin Ray drivers) find its workers warm.
+    assert re.findall(r"drmas: pool (started|found warm)", output) == ["started", *["found warm"] * 3]
     run = tmp_path / "runs" / "math-tiny" / "k"
     for stage in (
         "run",

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pyarrow.compute as pc
@@ -253,3 +254,43 @@ def test_a_gpu_pool_asks_ray_for_gpus_by_num_gpus(tmp_path):
         "solver": [0.5, 0.5],
         "verifier": [0.5, 0.5],
     }
+
+
+def test_a_runs_pool_outlives_its_stage_and_frees_itself_when_idle(ray_session, tmp_path):
+    """A run's pool is named and detached: a second pool object of the run (the next stage,
+    another process) finds its workers warm, holding their policy; ``drmas pool status``
+    lists them; past ``ray.idle_timeout_s`` without a call the pool frees itself, workers
+    and placement group."""
+    from drmas.cli import main
+    from drmas.generation.pool import pool_status
+
+    config = load_config(CONFIGS / "math_tiny.yaml", [*SMALL, "ray.idle_timeout_s=4"])
+    store = Store(str(tmp_path / "store"))
+    policies = init_policies(config, store, "run")
+    with RayPool(config, store, cache_dir=tmp_path / "cache", threads=1, run=("math-tiny", "idle")) as first:
+        first.load(policies)
+        assert first.started == 2
+    with RayPool(config, store, cache_dir=tmp_path / "cache", threads=1, run=("math-tiny", "idle")) as again:
+        assert again.started == 0 and set(again.resident) == set(policies)  # warm: nothing to load
+        again.load(policies)
+        assert again.loads == 0
+    workers = pool_status("math-tiny", "idle")
+    assert len(workers) == 2 and all(worker["version"] for worker in workers)
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    listed = subprocess.run(
+        [sys.executable, "-m", "drmas.cli", "pool", "status", "math-tiny/idle", "--address", address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert listed.returncode == 0 and listed.stdout.count("drmas.math-tiny.idle.") == 2, listed.stderr
+    assert main(["pool", "status", "math-tiny"]) == 2  # not EXPERIMENT/RUN_ID
+    deadline = time.monotonic() + 60
+    while pool_status("math-tiny", "idle") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert pool_status("math-tiny", "idle") == []
+    from drmas.generation.pool import _named_placement_group
+
+    assert _named_placement_group("drmas.math-tiny.idle") is None

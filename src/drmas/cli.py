@@ -135,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         "-o", "--output", choices=("text", "json"), default="text", help="a table (default) or JSON, bytes"
     )
 
+    pool_cmd = commands.add_parser("pool", help="show or free a run's pool of workers on a Ray cluster")
+    pool_cmd.add_argument("action", choices=("status", "down"), help="status: its workers; down: free them")
+    pool_cmd.add_argument("run", metavar="EXPERIMENT/RUN_ID", help="the run, as its folder in the store names it")
+    pool_cmd.add_argument("--address", help="the Ray cluster (default: $RAY_ADDRESS)")
+
     compile_cmd = commands.add_parser("compile", help="compile the Kubeflow pipeline of a config to YAML")
     _config_arguments(compile_cmd)
     compile_cmd.add_argument("-o", "--output", required=True, help="where to write the compiled pipeline (YAML)")
@@ -163,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    if args.config is not None and (problem := _config_file_problem(args.config)):
+    if getattr(args, "config", None) is not None and (problem := _config_file_problem(args.config)):
         commands.choices[args.command].error(problem)
     try:
         if args.command == "config":
@@ -176,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             return _compare(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "pool":
+            return _pool(args)
         if args.command in ("compile", "submit"):
             return _compile_or_submit(args)
         if args.via == "kfp-local":
@@ -457,6 +464,42 @@ def _eval(args: argparse.Namespace) -> int:
     for key in sorted(metrics):
         print(f"{key} {metrics[key]:.4f}")
     return 0
+
+
+def _pool(args: argparse.Namespace) -> int:
+    """``drmas pool status|down EXPERIMENT/RUN_ID``: a run's named pool on a Ray cluster (a
+    local run's pool lives only as long as the run's own Ray)."""
+    experiment, _, run_id = args.run.partition("/")
+    if not experiment or not run_id or "/" in run_id:
+        return _fail("pool", f"{args.run!r}: expected EXPERIMENT/RUN_ID, e.g. math-tiny/20261201-120000", 2)
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        return _fail("pool", "no Ray cluster to ask: pass --address or set RAY_ADDRESS", 2)
+    import ray  # noqa: PLC0415
+
+    from drmas.generation.pool import free_pool, pool_status  # noqa: PLC0415
+
+    try:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        return _fail("pool", f"cannot join the Ray cluster at {address}: {error}")
+    try:
+        if args.action == "down":
+            print(f"{args.run}: freed {free_pool(experiment, run_id)} worker(s)")
+            return 0
+        workers = pool_status(experiment, run_id)
+        if not workers:
+            print(f"{args.run}: no pool (never started, freed, or gone after ray.idle_timeout_s)")
+        for worker in workers:
+            fields = " ".join(
+                f"{key}={worker[key]}"
+                for key in ("version", "resident", "rank", "world", "pid", "error")
+                if key in worker
+            )
+            print(f"{worker['worker']} {fields}")
+        return 0
+    finally:
+        ray.shutdown()
 
 
 def _device_memory(text: str) -> int:

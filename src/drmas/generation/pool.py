@@ -609,8 +609,9 @@ class PoolOnDemand:
             self.pool = RayPool(
                 self.config, self.store, cache_dir=self.cache_dir / "policies" if self.cache_dir else None, run=self.run
             )
-            if self.pool.started:
-                log.info("pool: started %d worker(s) on %d slot(s)", self.pool.started, self.config.ray.pool_size)
+            workers = sum(len(group) for group in self.pool.workers.values())
+            found = "started" if self.pool.started == workers else "found warm"
+            print(f"drmas: pool {found}: {workers} worker(s) on {self.config.ray.pool_size} slot(s)", flush=True)
         return self.pool
 
     def release(self) -> None:
