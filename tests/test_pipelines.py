@@ -110,7 +110,7 @@ def test_every_pipeline_compiles_loads_back_and_pins_the_images(tmp_path, name, 
 def test_each_stage_is_placed_and_gets_the_s3_secret(tmp_path):
     """Every task's executor names its image, resources, node selector, tolerations and the
     S3 credentials from the drmas-s3 secret; GPU stages ask for a GPU on GPU nodes unless
-    they only drive a KubeRay cluster (rollout and evaluate with ray.address)."""
+    they only drive the pool on a KubeRay cluster (rollout, update and evaluate with ray.address)."""
     for name in ("math_tiny", "math_gpu"):
         config = config_of(name)
         spec, executors = compiled(tmp_path, "train", config)
@@ -133,7 +133,7 @@ def test_each_stage_is_placed_and_gets_the_s3_secret(tmp_path):
             assert (S3_SECRET, "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL", True) in secret_keys
             assert "resourceCpuRequest" in container["resources"] and "resourceMemoryLimit" in container["resources"]
             assert k8s["nodeSelector"]["labels"]["kubernetes.io/arch"] == "amd64"
-            on_gpu = stage in {"warmstart", "update"} or (stage in {"rollout", "evaluate"} and not config.ray.address)
+            on_gpu = stage == "warmstart" or (stage in {"rollout", "update", "evaluate"} and not config.ray.address)
             accelerator = container["resources"].get("accelerator")
             if on_gpu:
                 count = config.ray.pool_size if stage in {"rollout", "evaluate"} else 1

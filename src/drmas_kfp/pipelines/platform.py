@@ -63,14 +63,15 @@ GPU_STAGES = ("warmstart", "rollout", "update", "evaluate")
 def placement_for(stage: str, config) -> Placement:
     """The placement of ``stage`` for this config.
 
-    Warm start and update train a model in the step's own process: GPU nodes, one GPU.
-    Rollout and evaluate drive the worker-group pool: with ``ray.address`` (a KubeRay
-    cluster) the generation runs on the cluster's GPU workers and the step is only a Ray
-    driver, so it runs on CPU nodes (still on the GPU image, which matches the cluster's
-    Python and Ray); without it the step starts Ray in its own pod and needs the pool's
+    The warm start trains a model in the step's own process: GPU nodes, one GPU. Rollout,
+    update and evaluate drive the run's pool: with ``ray.address`` (a KubeRay cluster) the
+    generation and the data-parallel update run on the pool's workers on the cluster's
+    GPUs and the step is only a Ray driver, so it runs on CPU nodes (still on the GPU
+    image, which matches the cluster's Python and Ray): no GPU is requested outside the
+    pool. Without it the step starts Ray in its own pod and needs the pool's
     ``ray.pool_size`` GPUs itself. Everything else runs on CPU nodes.
     """
-    if stage in ("rollout", "evaluate"):
+    if stage in ("rollout", "update", "evaluate"):
         if config.ray.address:
             return CPU_NODES
         return Placement(**{**GPU_NODES.__dict__, "accelerator_count": config.ray.pool_size})
