@@ -169,3 +169,78 @@ def test_a_zero3_update_across_two_nodes_equals_one_slots_and_syncs_the_engines(
     assert found["max_weight_gap"] < 1e-5
     # Both engines generate from exactly the stored policy (handed over in memory).
     assert found["engines_equal_stored"] == [True, True]
+
+
+KILLED_MID_UPDATE = r"""
+import json, os, signal, sys
+from pathlib import Path
+from safetensors.torch import load_file
+from drmas.config import load_config
+from drmas.generation.pool import RayPool, connect_ray
+from drmas.infra.store import Store
+from drmas.stages.advantage import advantage
+from drmas.stages.policies import init_policies
+from drmas.stages.rollout import rollout
+from drmas.stages.update import update
+
+config_path, root, overrides = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+marker = root / "rank-1-died"
+
+def dies_once_on_rank_1(worker, *args):
+    # The update as the pool runs it, except that rank 1's process is SIGKILLed once,
+    # in the middle of the update (the model loaded, before its first step).
+    import drmas.stages.update as stage
+    from drmas.training.engines import rank_and_world
+
+    if rank_and_world()[0] == 1 and not marker.exists():
+        marker.touch()
+        stage.train_worker_group = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    return stage.update_rank(worker, *args)
+
+config = load_config(config_path, overrides)
+connect_ray(config)
+store = Store(str(root / "store"))
+policies = init_policies(config, store, "run")
+[wg] = policies
+with RayPool(config, store, threads=1) as pool:
+    rollout(config, store, "run", 0, policies, pool)
+    advantage(config, store, "run", 0)
+    calm = update(config, store, "run", 0, wg, policies[wg], None, pool=pool)
+    undisturbed = load_file(store.open(calm.artifact).download(root / "calm") / "model.safetensors")
+    args = (config, store.settings(), "run", 0, wg, policies[wg], None, None, True, "")
+    again = pool.train(wg, dies_once_on_rank_1, *args)
+    restarts, worlds = pool.restarts, [(s["rank"], s["world"]) for s in pool.status()[wg]]
+rebuilt = load_file(store.open(again.artifact).download(root / "rebuilt") / "model.safetensors")
+print(json.dumps({
+    "died": marker.exists(),
+    "restarts": restarts,
+    "worlds": worlds,
+    "same_policy": sorted(rebuilt) == sorted(undisturbed) and all((rebuilt[k] == undisturbed[k]).all().item() for k in rebuilt),
+}))
+"""
+
+
+def test_a_worker_killed_mid_update_is_rebuilt_and_the_update_equals_an_undisturbed_one(two_nodes, tmp_path):
+    """Rank 1 of a two-node group is SIGKILLed in the middle of the update, while rank 0
+    waits for it in a collective: the pool rebuilds the group's workers from the store and
+    runs the update again; the stored policy is bit-identical to an undisturbed update's."""
+    address, env = two_nodes
+    overrides = [*TINY_OVERRIDES, "workers.sharing=by_model", "ray.pool_size=2", "ray.max_resident=1"]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            KILLED_MID_UPDATE,
+            str(ROOT / "configs" / "math_tiny.yaml"),
+            str(tmp_path),
+            json.dumps(overrides),
+        ],
+        env={**env, "RAY_ADDRESS": address},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found == {"died": True, "restarts": 1, "worlds": [[0, 2], [1, 2]], "same_policy": True}
+    assert "a worker died during the update; rebuilding its 2 worker(s)" in done.stderr

@@ -393,10 +393,17 @@ class RayPool:
             refs = [worker.run.remote(fn, *args) for worker in self.workers[wg]]
             try:
                 return _first_failure_or_all(refs)[0]
-            except ray.exceptions.RayActorError as error:
+            except Exception:
+                # A rank whose peer died fails in its collective (gloo: "connection reset")
+                # as soon as Ray reports the death, or sooner: ask every rank.
+                died = next((e for e in _failures(refs) if isinstance(e, ray.exceptions.RayActorError)), None)
+                if died is None:
+                    if not _all_done(refs):  # a rank failed alone: the others wait in a collective
+                        self._rebuild(wg)
+                    raise
                 self.restarts += 1
                 if self.restarts > ACTOR_RESTARTS:
-                    self._give_up(wg, "the update", error)
+                    self._give_up(wg, "the update", died)
                 log.warning(
                     "worker group %s: a worker died during the update; rebuilding its %d worker(s) from the "
                     "store and updating again (%d/%d)",
@@ -406,10 +413,6 @@ class RayPool:
                     ACTOR_RESTARTS,
                 )
                 self._rebuild(wg)
-            except Exception:
-                if not _all_done(refs):  # a rank failed alone: the others wait in a collective
-                    self._rebuild(wg)
-                raise
 
     def _release_slots(self, wg: str) -> None:
         """Offload every resident engine on ``wg``'s slots: the update gets their memory."""
@@ -580,6 +583,22 @@ def _first_failure_or_all(refs: list) -> list:
         ready, pending = ray.wait(pending, num_returns=1)
         ray.get(ready[0])
     return ray.get(refs)
+
+
+def _failures(refs: list, wait_s: float = 30.0) -> list[Exception]:
+    """The errors of the ranks that failed, after waiting (bounded) for every rank to end."""
+    import ray  # noqa: PLC0415
+
+    ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+    failures = []
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.GetTimeoutError:
+            continue  # still running (waiting for a peer): the rebuild stops it
+        except Exception as error:
+            failures.append(error)
+    return failures
 
 
 def _all_done(refs: list) -> bool:
