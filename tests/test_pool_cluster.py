@@ -215,7 +215,8 @@ print(json.dumps({
     "died": marker.exists(),
     "restarts": restarts,
     "worlds": worlds,
-    "same_policy": sorted(rebuilt) == sorted(undisturbed) and all((rebuilt[k] == undisturbed[k]).all().item() for k in rebuilt),
+    "same_policy": sorted(rebuilt) == sorted(undisturbed)
+    and all((rebuilt[k] == undisturbed[k]).all().item() for k in rebuilt),
 }))
 """
 
