@@ -173,8 +173,9 @@ def check_metric(
 
 
 def check_engine_sync(store: Path, wg: str, tokens: int) -> Check:
-    """SGLang started on the initial policy, released, and loaded with the last policy (the
-    pool's path for a worker group that was offloaded during the update) generates greedily
+    """SGLang started on the initial policy, released, and handed the last policy's weights
+    in memory (the pool's path: the engine releases its memory for the update, the update
+    hands it the new weights, the engine pushes them when it resumes) generates greedily
     what transformers generates from the stored last policy."""
     import torch  # the GPU's torch, SGLang (GPU image only) and transformers: only for this check
 
@@ -191,9 +192,9 @@ def check_engine_sync(store: Path, wg: str, tokens: int) -> Check:
     try:
         engine.load(policy_dir(store, wg, None))
         engine.offload()
-        engine.load(last)
+        engine.set_weights(load_model(last, "bfloat16").state_dict())
         greedy = SamplingConfig(temperature=0.0, max_new_tokens=tokens)
-        [generated] = engine.generate([prompt], greedy, stop_ids=[tokenizer.eos_token_id], seed=0)
+        [generated] = engine.generate([prompt], greedy, stop_ids=[tokenizer.eos_token_id], seeds=[0])
     finally:
         if engine.engine is not None:
             engine.engine.shutdown()

@@ -69,7 +69,7 @@ def measure(max_resident: int, iterations: int, scratch: Path) -> tuple[float, i
     store = Store(str(scratch / "store"))
     policies = init_policies(config, store, "bench")
     with RayPool(config, store, cache_dir=scratch / f"cache-{max_resident}") as pool:
-        pids = [status["pid"] for status in pool.status().values()]
+        pids = [worker["pid"] for workers in pool.status().values() for worker in workers]
         with PeakRss(pids) as sampler:
             started = time.perf_counter()
             for iteration in range(iterations):
