@@ -152,6 +152,16 @@ def test_explicit_groups_are_checked():
     assert any("its agents name different models (other, tiny)" in p for p in mixed)
 
 
+def test_pool_slots_are_checked_and_default_to_all():
+    config = load_config(MATH, ["workers.sharing=none", "ray.pool_size=3", "ray.slots={verifier: [2]}"])
+    assert config.slots_of("solver") == [0, 1, 2] and config.slots_of("verifier") == [2]
+    found = problems("workers.sharing=none", "ray.pool_size=2", "ray.slots={solvr: [0], verifier: [0, 2], solver: []}")
+    joined = "\n".join(found)
+    assert "ray.slots: unknown worker group 'solvr'; did you mean 'solver'?" in joined
+    assert "ray.slots.verifier: slot(s) [2] outside the pool (ray.pool_size 2: 0-1)" in joined
+    assert "ray.slots.solver: is empty" in joined
+
+
 def test_several_problems_reported_at_once():
     found = problems("rollout.grup_size=3", "train.lr=x", "eval.k=0")
     assert len(found) == 3
