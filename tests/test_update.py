@@ -248,6 +248,42 @@ def test_activation_checkpointing_recomputes_and_changes_nothing(tmp_path, monke
     assert saved_config == plain_config and saved_config["use_cache"] == initial["use_cache"]
 
 
+def test_log_probs_computed_in_chunks_are_the_whole_computation_to_the_bit(tmp_path):
+    """train.logprob_chunk_positions: the fp32 log-softmax and entropy over pieces of the
+    sequence, each recomputed in the backward pass, give the same log-probs, entropies
+    and gradients as all positions at once (every position's softmax is its own), and so
+    the same update, with the KL term and the recomputed old log-probs on."""
+    config, store, policy, tokenizer = make_run(tmp_path / "direct")
+    model = load_model(store.open(policy.artifact).download(tmp_path / "policy"))
+    table = store.open(stage_path("math-tiny", "run", 0, "rollout")).read_table("trajectories.parquet")
+    batch = collate([dict(r, advantage=0.0) for r in table.to_pylist()], tokenizer.pad_token_id)
+    temperature = torch.linspace(0.5, 1.5, len(batch.agents))
+    outcomes = []
+    for chunk in (None, 3):
+        model.zero_grad()
+        taken, entropy = token_logprobs(model, batch, want_entropy=True, temperature=temperature, chunk=chunk)
+        (taken.sum() + entropy.sum()).backward()
+        outcomes.append((taken, entropy, [p.grad.clone() for p in model.parameters()]))
+    (taken, entropy, grads), (chunked, chunked_entropy, chunked_grads) = outcomes
+    assert taken.shape[1] > 3  # more than one chunk
+    assert torch.equal(taken, chunked) and torch.equal(entropy, chunked_entropy)
+    assert all(torch.equal(a, b) for a, b in zip(grads, chunked_grads, strict=True))
+    weights = []
+    for chunk in ("null", "2"):
+        config, store, policy, _ = make_run(
+            tmp_path / chunk,
+            f"train.logprob_chunk_positions={chunk}",
+            "algorithm.kl_coef=0.1",
+            "train.recompute_old_logprobs=true",
+        )
+        advantage(config, store, "run", 0)
+        result = update(config, store, "run", 0, WG, policy, None, reference=policy)
+        weights.append(
+            load_file(str(store.open(result.artifact).download(tmp_path / chunk / "out") / "model.safetensors"))
+        )
+    assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
+
+
 def test_deepspeed_config_offloads_the_optimizer_from_zero1_on(tmp_path):
     """train.offload_optimizer puts Adam's state in host memory, keeping the torch AdamW
     (DeepSpeed refuses a client optimizer there unless told); ZeRO-0 has none to offload

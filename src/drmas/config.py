@@ -307,6 +307,12 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of keeping them (less memory,
     about a third more compute), as the reference's recipes do."""
+    logprob_chunk_positions: int | None = Field(None, ge=1)
+    """Compute the log-probs and entropy this many sequence positions at a time, each chunk
+    recomputed in the backward pass: the fp32 [positions x vocab] temporaries (scaled
+    logits, log-softmax, its exp, the entropy product) exist for one chunk instead of the
+    whole micro-batch; only the model's own logits stay whole. The result is the same to
+    the bit. Unset: all positions at once."""
     offload_optimizer: bool = False
     """DeepSpeed: keep the optimizer state in host memory (ZeRO-Offload), as the
     reference's recipes do; needs ``zero_stage`` 1 or more; ignored by the torch backend."""

@@ -411,9 +411,20 @@ def _group_plan(config: DrmasConfig, group: WorkerGroup, device_memory: int | No
         activations=checkpointed if config.train.gradient_checkpointing else full,
         activations_checkpointed=checkpointed,
         activations_full=full,
-        logits=tokens * architecture.vocab_size * 4 * logit_copies,
+        logits=_logit_bytes(config, tokens, sequence, architecture.vocab_size, dtype_bytes, logit_copies),
         contexts=contexts,
     )
+
+
+def _logit_bytes(config: DrmasConfig, tokens: int, sequence: int, vocab: int, dtype_bytes: int, copies: int) -> int:
+    """The update's [positions x vocab] tensors at their peak: ``copies`` fp32 copies of the
+    whole micro-batch's; with ``train.logprob_chunk_positions``, the model's own logits (its
+    dtype) whole and the fp32 copies of one chunk of positions of every row."""
+    chunk = config.train.logprob_chunk_positions
+    if chunk is None:
+        return tokens * vocab * 4 * copies
+    chunked = min(tokens, chunk * max(1, tokens // sequence))
+    return tokens * vocab * dtype_bytes + chunked * vocab * 4 * copies
 
 
 def _micro_batch_tokens(rows: int, sequence: int, max_tokens: int | None) -> int:
@@ -545,7 +556,7 @@ def _render(plan: MemoryPlan) -> str:
         *([("optimizer on host", [_gb(g.optimizer_host) for g in groups])] if plan.offload_optimizer else []),
         ("activations, checkpointing", [_gb(g.activations_checkpointed) for g in groups]),
         ("activations, none", [_gb(g.activations_full) for g in groups]),
-        ("logits (fp32)", [_gb(g.logits) for g in groups]),
+        ("logits", [_gb(g.logits) for g in groups]),
         *(
             [("reference model (KL)", [_gb(g.reference_model) for g in groups])]
             if any(g.reference_model for g in groups)

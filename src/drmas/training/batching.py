@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from drmas.config import DrmasConfig
 
@@ -86,19 +87,44 @@ def collate(rows: list[dict[str, Any]], pad_id: int) -> MicroBatch:
 
 
 def token_logprobs(
-    model: torch.nn.Module, batch: MicroBatch, want_entropy: bool, temperature: torch.Tensor | None = None
+    model: torch.nn.Module,
+    batch: MicroBatch,
+    want_entropy: bool,
+    temperature: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(next token) [B, L-1] under ``model``, and the per-token entropy if asked;
-    with ``temperature`` ([B], see ``sampling_temperatures``) of the logits divided by it."""
+    with ``temperature`` ([B], see ``sampling_temperatures``) of the logits divided by it.
+    ``chunk``: positions per piece of the fp32 computation (``train.logprob_chunk_positions``)."""
     # No KV cache: it is for generation, costs memory here and cannot be checkpointed.
-    logits = (
-        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1].float()
-    )
-    if temperature is not None:
-        logits = logits / temperature.to(logits.device)[:, None, None]
-    log_probs = torch.log_softmax(logits, dim=-1)  # [B, L-1, V]
-    taken = log_probs.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, L-1]
-    entropy = -(log_probs.exp() * log_probs).sum(-1) if want_entropy else None  # [B, L-1]
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1]
+    scale = temperature.to(logits.device) if temperature is not None else torch.ones(len(logits), device=logits.device)
+    targets = batch.input_ids[:, 1:].to(logits.device)
+    if chunk is None or chunk >= logits.shape[1]:
+        return _logprobs_of(logits, targets, scale, want_entropy)
+    pieces = [
+        checkpoint(
+            _logprobs_of,
+            logits[:, start : start + chunk],
+            targets[:, start : start + chunk],
+            scale,
+            want_entropy,
+            use_reentrant=False,
+        )
+        for start in range(0, logits.shape[1], chunk)
+    ]
+    taken = torch.cat([piece[0] for piece in pieces], dim=1)
+    entropy = torch.cat([piece[1] for piece in pieces], dim=1) if want_entropy else None
+    return taken, entropy
+
+
+def _logprobs_of(
+    logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, want_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The taken tokens' log-probs [B, P] and entropies of ``logits`` [B, P, V] / scale, in fp32."""
+    log_probs = torch.log_softmax(logits.float() / scale[:, None, None], dim=-1)  # [B, P, V]
+    taken = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, P]
+    entropy = -(log_probs.exp() * log_probs).sum(-1) if want_entropy else None  # [B, P]
     return taken, entropy
 
 

@@ -165,7 +165,11 @@ def _recompute_old_logprobs(
         for pack in micro_batches(rows, max_rows, max_tokens):
             batch = collate([rows[i] for i in pack], pad_id).to(device)
             logprobs, _ = token_logprobs(
-                model, batch, want_entropy=False, temperature=sampling_temperatures(config, batch.agents)
+                model,
+                batch,
+                want_entropy=False,
+                temperature=sampling_temperatures(config, batch.agents),
+                chunk=config.train.logprob_chunk_positions,
             )
             for b, index in enumerate(pack):
                 rows[index]["old_logprobs"] = logprobs[b][batch.response_mask[b] > 0].tolist()
@@ -199,11 +203,12 @@ def _micro_loss(
         keep = torch.tensor([agent == only_agent for agent in batch.agents], dtype=mask.dtype, device=mask.device)
         mask = mask * keep.unsqueeze(-1)
     temperature = sampling_temperatures(config, batch.agents)
-    logprobs, entropy = token_logprobs(model, batch, want_entropy or algorithm.entropy_coef > 0, temperature)
+    chunk = config.train.logprob_chunk_positions
+    logprobs, entropy = token_logprobs(model, batch, want_entropy or algorithm.entropy_coef > 0, temperature, chunk)
     ref = None
     if ref_model is not None:
         with torch.no_grad():
-            ref, _ = token_logprobs(ref_model, batch, want_entropy=False, temperature=temperature)
+            ref, _ = token_logprobs(ref_model, batch, want_entropy=False, temperature=temperature, chunk=chunk)
     aggregation, num_tokens, factor = _normalisation(algorithm.loss_aggregation, batch, size)
     loss, stats = policy_loss(
         logprobs,
