@@ -360,6 +360,17 @@ class DiagnosticsConfig(Section):
     per agent and optimizer step."""
 
 
+class CheckpointConfig(Section):
+    every: int = Field(1, ge=1)
+    """Keep the optimizer state (fp32 Adam moments: ~12 bytes a parameter) of every N-th
+    iteration, and always the latest one, which the next update and a resume start from;
+    the others are deleted when the next iteration is checkpointed. The policy is stored
+    every iteration (lineage, eval, rerun). 1: every iteration's (a rerun of any update
+    needs the optimizer state of the iteration before it)."""
+    keep: int | None = Field(None, ge=1)
+    """Of the every-N-th optimizer states (the latest aside), keep only the last N; unset: all."""
+
+
 class EvalConfig(Section):
     every: int = Field(0, ge=0)
     """Evaluate every this many iterations (and after the last); 0 never evaluates."""
@@ -469,6 +480,8 @@ class DrmasConfig(Section):
     """Extra measurements."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Periodic evaluation."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Which optimizer states the store keeps."""
     store: StoreConfig = Field(default_factory=StoreConfig)
     """The artifact store."""
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)

@@ -60,7 +60,35 @@ def checkpoint(
     ) as out:
         out.write_json("checkpoint.json", {"iteration": iteration, "worker_groups": groups})
         out.write_json("metrics.json", metrics)
+    prune_optimizer_states(config, store, run_id, iteration)
     return StageResult(path, metrics)
+
+
+def prune_optimizer_states(config: DrmasConfig, store: Store, run_id: str, iteration: int) -> list[int]:
+    """Delete the optimizer states of the iterations before ``iteration`` that
+    ``checkpoint.every`` and ``checkpoint.keep`` do not keep (after ``iteration`` is
+    checkpointed: its own state is the latest, which the next update starts from); returns
+    their iterations. Each goes manifest first, so a kill leaves no half-deleted state that
+    a reader could take for a whole one."""
+    every, keep = config.checkpoint.every, config.checkpoint.keep
+    if every == 1 and keep is None:
+        return []
+    experiment = config.experiment.name
+    stored = sorted(
+        {
+            int(path.split("/")[-3].removeprefix("iter-"))
+            for path in store.list(run_path(experiment, run_id))
+            if path.split("/")[-2] == "optim"
+        }
+    )
+    older = [i for i in stored if i < iteration]
+    milestones = [i for i in older if (i + 1) % every == 0]
+    kept = set(milestones[-keep:] if keep else milestones)
+    doomed = [i for i in older if i not in kept]
+    for i in doomed:
+        for group in config.worker_groups():
+            store.delete(optim_path(experiment, run_id, i, group.name))
+    return doomed
 
 
 def resume_point(config: DrmasConfig, store: Store, run_id: str) -> ResumePoint:

@@ -202,7 +202,7 @@ class CheckpointContract(StageContract):
     run_id: str
     iteration: int
     name: ClassVar[str] = "checkpoint"
-    fields: ClassVar[tuple[str, ...]] = _fields(*WORKER_GROUPS)
+    fields: ClassVar[tuple[str, ...]] = _fields("checkpoint", *WORKER_GROUPS)
 
     def output(self, config: DrmasConfig) -> str:
         return stage_path(config.experiment.name, self.run_id, self.iteration, "checkpoint")

@@ -1,0 +1,70 @@
+"""Checkpoints that fit a disk: the checkpoint stage keeps the optimizer state of every
+``checkpoint.every``-th iteration (the last ``checkpoint.keep`` of them) and always the
+latest, and deletes the rest; policies are all kept; a resume starts from the latest."""
+
+from __future__ import annotations
+
+import pytest
+
+from drmas.config import load_config
+from drmas.infra.layout import optim_path, policy_path, run_path
+from drmas.infra.store import Store
+from drmas.stages.checkpoint import checkpoint, prune_optimizer_states
+from tests.helpers import ROOT
+
+RUN = "run"
+
+
+def stored_run(tmp_path, iterations: int, *overrides: str):
+    """A store holding, for iterations 0..iterations-1, a (tiny, fake) policy and optimizer
+    state per worker group, as the updates write them."""
+    config = load_config(ROOT / "configs" / "math_tiny.yaml", ["workers.sharing=none", *overrides])
+    store = Store(str(tmp_path / "store"))
+    for i in range(iterations):
+        for group in config.worker_groups():
+            for path in (policy_path, optim_path):
+                with store.writer(path(config.experiment.name, RUN, i, group.name)) as out:
+                    out.write_bytes("state.bin", f"{path.__name__} {i} {group.name}".encode())
+    return config, store
+
+
+def optim_iterations(config, store) -> dict[str, list[int]]:
+    found: dict[str, list[int]] = {}
+    for path in store.list(run_path(config.experiment.name, RUN)):
+        *_, iteration, kind, wg = path.split("/")
+        if kind == "optim":
+            found.setdefault(wg, []).append(int(iteration.removeprefix("iter-")))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("every", "keep", "left"),
+    [(2, 1, [3, 5]), (2, None, [1, 3, 5]), (4, 2, [3, 5]), (10, 1, [5])],
+)
+def test_only_the_every_nth_and_the_latest_optimizer_states_stay(tmp_path, every, keep, left):
+    settings = [f"checkpoint.every={every}"] + ([f"checkpoint.keep={keep}"] if keep else [])
+    config, store = stored_run(tmp_path, 6, *settings)
+    pruned = prune_optimizer_states(config, store, RUN, 5)
+    assert sorted(pruned) == [i for i in range(5) if i not in left]
+    assert optim_iterations(config, store) == {"solver": left, "verifier": left}
+    policies = [p for p in store.list(run_path(config.experiment.name, RUN)) if "/policy/" in p]
+    assert len(policies) == 6 * 2  # every policy stays
+
+
+def test_the_default_keeps_every_optimizer_state(tmp_path):
+    config, store = stored_run(tmp_path, 3)
+    assert prune_optimizer_states(config, store, RUN, 2) == []
+    assert optim_iterations(config, store) == {"solver": [0, 1, 2], "verifier": [0, 1, 2]}
+
+
+def test_the_checkpoint_stage_prunes_and_the_latest_checkpoint_stays_whole(tmp_path):
+    """Checkpointing iterations 0..3 one after another with every=2, keep=1: the states of
+    iteration 1 and of the latest stay. The latest checkpoint (where a resume starts) names
+    only states that exist, unchanged."""
+    config, store = stored_run(tmp_path, 4, "checkpoint.every=2", "checkpoint.keep=1")
+    for i in range(4):
+        checkpoint(config, store, RUN, i, {})
+    assert optim_iterations(config, store) == {"solver": [1, 3], "verifier": [1, 3]}
+    latest = store.open(f"{run_path(config.experiment.name, RUN)}/iter-000003/checkpoint").read_json("checkpoint.json")
+    for entry in latest["worker_groups"].values():
+        assert store.fingerprint(entry["optim"]) == entry["optim_manifest"]
