@@ -68,3 +68,13 @@ def test_the_checkpoint_stage_prunes_and_the_latest_checkpoint_stays_whole(tmp_p
     latest = store.open(f"{run_path(config.experiment.name, RUN)}/iter-000003/checkpoint").read_json("checkpoint.json")
     for entry in latest["worker_groups"].values():
         assert store.fingerprint(entry["optim"]) == entry["optim_manifest"]
+
+
+def test_a_rerun_that_needs_a_pruned_optimizer_state_says_so(tmp_path):
+    from drmas.runner import rerun
+
+    config, store = stored_run(tmp_path, 4, "checkpoint.every=2", "checkpoint.keep=1")
+    for i in range(4):
+        checkpoint(config, store, RUN, i, {})
+    with pytest.raises(ValueError, match=r"optimizer state of iteration 2.*was not kept \(checkpoint.every 2"):
+        rerun(config, store, RUN, 3, "update")

@@ -338,13 +338,19 @@ def rerun(
     experiment = config.experiment.name
     if not store.exists(stage_path(experiment, run_id, iteration, "checkpoint")):
         raise ValueError(f"run {run_id} has no checkpoint for iteration {iteration}: nothing to rerun")
-    initial = starting_policies(config, store, run_id)
     groups = [group.name for group in config.worker_groups()]
-    if iteration == 0:
-        policies, optims = initial, {wg: None for wg in groups}
-    else:
+    if iteration > 0:
         policies = {wg: PolicyRef(policy_path(experiment, run_id, iteration - 1, wg)) for wg in groups}
         optims = {wg: PolicyRef(optim_path(experiment, run_id, iteration - 1, wg)) for wg in groups}
+        if stage_name != "checkpoint" and not all(store.exists(ref.artifact) for ref in optims.values()):
+            raise ValueError(
+                f"run {run_id}: the optimizer state of iteration {iteration - 1}, which the update of iteration "
+                f"{iteration} starts from, was not kept (checkpoint.every {config.checkpoint.every}, "
+                f"checkpoint.keep {config.checkpoint.keep}): iteration {iteration} cannot be rerun"
+            )
+    initial = starting_policies(config, store, run_id)
+    if iteration == 0:
+        policies, optims = initial, {wg: None for wg in groups}
     with PoolOnDemand(config, store, cache_dir, run=(experiment, run_id)) as pool:
         force = {f"policy/{wg}" for wg in groups} if stage_name == "update" else {stage_name}
         return run_iteration(config, store, run_id, iteration, policies, optims, initial, pool, force=frozenset(force))
