@@ -138,8 +138,22 @@ def _wait_for_nodes(address: str, count: int, env: dict[str, str]) -> None:
     raise TimeoutError(f"the Ray cluster at {address} did not reach {count} node(s)")
 
 
-def test_a_zero3_update_across_two_nodes_equals_one_slots_and_syncs_the_engines(two_nodes, tmp_path):
+def _drive(script: str, two_nodes: tuple[str, dict[str, str]], tmp_path: Path, overrides: list[str]):
+    """Run a driver ``script`` on the two-node cluster (math_tiny with ``overrides``);
+    returns the JSON of its last line and its stderr."""
     address, env = two_nodes
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(ROOT / "configs" / "math_tiny.yaml"), str(tmp_path), json.dumps(overrides)],
+        env={**env, "RAY_ADDRESS": address},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_a_zero3_update_across_two_nodes_equals_one_slots_and_syncs_the_engines(two_nodes, tmp_path):
     overrides = [
         *TINY_OVERRIDES,
         "workers.sharing=by_model",
@@ -147,15 +161,7 @@ def test_a_zero3_update_across_two_nodes_equals_one_slots_and_syncs_the_engines(
         "train.zero_stage=3",
         "ray.max_resident=1",
     ]
-    done = subprocess.run(
-        [sys.executable, "-c", DRIVER, str(ROOT / "configs" / "math_tiny.yaml"), str(tmp_path), json.dumps(overrides)],
-        env={**env, "RAY_ADDRESS": address},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found, _ = _drive(DRIVER, two_nodes, tmp_path, overrides)
     print("two-node pool:", json.dumps(found))  # the figures (pytest -s shows them)
     assert found["nodes"] == 2 and found["worlds"] == [[0, 2], [1, 2]]  # one rank per node
     # Generation split over the two workers samples what one worker samples (a seed per request).
@@ -223,23 +229,7 @@ def test_a_worker_killed_mid_update_is_rebuilt_and_the_update_equals_an_undistur
     """Rank 1 of a two-node group is SIGKILLed in the middle of the update, while rank 0
     waits for it in a collective: the pool rebuilds the group's workers from the store and
     runs the update again; the stored policy is bit-identical to an undisturbed update's."""
-    address, env = two_nodes
     overrides = [*TINY_OVERRIDES, "workers.sharing=by_model", "ray.pool_size=2", "ray.max_resident=1"]
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            KILLED_MID_UPDATE,
-            str(ROOT / "configs" / "math_tiny.yaml"),
-            str(tmp_path),
-            json.dumps(overrides),
-        ],
-        env={**env, "RAY_ADDRESS": address},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found, stderr = _drive(KILLED_MID_UPDATE, two_nodes, tmp_path, overrides)
     assert found == {"died": True, "restarts": 1, "worlds": [[0, 2], [1, 2]], "same_policy": True}
-    assert "a worker died during the update; rebuilding its 2 worker(s)" in done.stderr
+    assert "a worker died during the update; rebuilding its 2 worker(s)" in stderr
