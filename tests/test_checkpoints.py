@@ -1,13 +1,14 @@
-"""Checkpoints that fit a disk: the checkpoint stage keeps the optimizer state of every
-``checkpoint.every``-th iteration (the last ``checkpoint.keep`` of them) and always the
-latest, and deletes the rest; policies are all kept; a resume starts from the latest."""
+"""Checkpoints that fit a disk: the optimizer state is stored every ``checkpoint.every``-th
+iteration and after the last (the pool holds it in between); the checkpoint stage keeps the
+last ``checkpoint.keep`` of them and the latest, and deletes the rest; policies are all kept;
+a resume starts from the latest iteration whose optimizer state was stored."""
 
 from __future__ import annotations
 
 import pytest
 
 from drmas.config import load_config
-from drmas.infra.layout import optim_path, policy_path, run_path
+from drmas.infra.layout import PolicyRef, optim_path, policy_path, run_path
 from drmas.infra.store import Store
 from drmas.stages.checkpoint import checkpoint, prune_optimizer_states
 from tests.helpers import ROOT
@@ -76,5 +77,35 @@ def test_a_rerun_that_needs_a_pruned_optimizer_state_says_so(tmp_path):
     config, store = stored_run(tmp_path, 4, "checkpoint.every=2", "checkpoint.keep=1")
     for i in range(4):
         checkpoint(config, store, RUN, i, {})
-    with pytest.raises(ValueError, match=r"optimizer state of iteration 2.*was not kept \(checkpoint.every 2"):
+    with pytest.raises(
+        ValueError, match=r"optimizer state of iteration 2.*is not in the store \(stored every checkpoint.every 2-th"
+    ):
         rerun(config, store, RUN, 3, "update")
+
+
+def test_a_resume_starts_after_the_last_stored_optimizer_state(tmp_path, monkeypatch):
+    """every=3 over 5 iterations: the updates store the optimizer states of iterations 2
+    and 4 (the last) only. A checkpoint names a state the pool held with no manifest; a
+    resume goes back to after the last iteration whose states are stored, or to the start."""
+    from drmas.stages.checkpoint import read_checkpoint, resume_point
+
+    monkeypatch.setattr("drmas.stages.checkpoint.check_policy", lambda *args: None)  # the policies are fakes
+    config, store = stored_run(tmp_path, 4, "checkpoint.every=3", "experiment.iterations=5")
+    experiment = config.experiment.name
+    assert [i for i in range(5) if config.stores_optimizer(i)] == [2, 4]
+    for i in range(4):
+        if not config.stores_optimizer(i):
+            for group in config.worker_groups():
+                store.delete(optim_path(experiment, RUN, i, group.name))
+    for i in range(2):
+        checkpoint(config, store, RUN, i, {})
+    assert resume_point(config, store, RUN).next_iteration == 0  # nothing stored yet: from the start
+    for i in range(2, 4):
+        checkpoint(config, store, RUN, i, {})
+    last = f"{run_path(experiment, RUN)}/iter-000003/checkpoint"
+    entries = store.open(last).read_json("checkpoint.json")["worker_groups"]
+    assert {entry["optim_manifest"] for entry in entries.values()} == {None}
+    assert read_checkpoint(config, store, last).next_iteration == 4  # readable: the held state is named
+    start = resume_point(config, store, RUN)
+    assert start.next_iteration == 3
+    assert start.optims == {wg: PolicyRef(optim_path(experiment, RUN, 2, wg)) for wg in ("solver", "verifier")}

@@ -20,6 +20,7 @@ from helpers import TINY_OVERRIDES
 from test_bad_input import refuse_ray
 
 from drmas.cli import main
+from drmas.infra.store import MANIFEST
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parent.parent
@@ -76,7 +77,10 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, capsys, monkeypatch):
     assert_tracked(tmp_path, "full")
     assert_rerun_recomputes_only_the_stage(tmp_path, capsys)
 
-    killed = drmas_run(tmp_path, "--run-id", "cut", "eval.every=2", "eval.max_questions=3", "eval.k=2", wait=False)
+    # The killed run stores its optimizer states only after its last iteration
+    # (checkpoint.every=3): in between its pool's workers hold them.
+    cut = ("checkpoint.every=3", "eval.every=2", "eval.max_questions=3", "eval.k=2")
+    killed = drmas_run(tmp_path, "--run-id", "cut", *cut, wait=False)
     marker = tmp_path / "runs" / "math-tiny" / "cut" / "iter-000001" / "checkpoint" / "_MANIFEST.json"
     deadline = time.monotonic() + 300
     while not marker.exists() and killed.poll() is None and time.monotonic() < deadline:
@@ -86,22 +90,30 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, capsys, monkeypatch):
     killed.wait(timeout=60)
     assert not (tmp_path / "runs" / "math-tiny" / "cut" / "iter-000002" / "checkpoint" / "_MANIFEST.json").exists()
 
-    resumed = drmas_run(tmp_path, "--resume", "cut", "eval.every=2", "eval.max_questions=3", "eval.k=2")
+    cut_dir = tmp_path / "runs" / "math-tiny" / "cut"
+    assert not list(cut_dir.glob("iter-*/optim/*/_MANIFEST.json"))  # held by the pool the kill took
+    written = {
+        kind: (cut_dir / "iter-000000" / kind / MANIFEST).stat().st_mtime_ns for kind in ("rollout", "policy/solver")
+    }
+    resumed = drmas_run(tmp_path, "--resume", "cut", *cut)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "iter 0:" not in resumed.stdout and "iter 2:" in resumed.stdout
+    assert "iterations 0-1 are checkpointed, but their optimizer states were held only by the pool" in resumed.stdout
+    assert "iter 0:" in resumed.stdout and "iter 2:" in resumed.stdout
+    rewritten = {kind: (cut_dir / "iter-000000" / kind / MANIFEST).stat().st_mtime_ns for kind in written}
+    assert rewritten["rollout"] == written["rollout"] and rewritten["policy/solver"] != written["policy/solver"]
     assert weights(tmp_path, "cut") == weights(tmp_path, "full")
+    assert sorted(path.parent.parent.parent.name for path in cut_dir.glob("iter-*/optim/*/_MANIFEST.json")) == [
+        "iter-000002",
+        "iter-000002",
+    ]
 
-    status, out, _ = drmas_here(
-        capsys, tmp_path, "run", "--resume", "cut", "eval.every=2", "eval.max_questions=3", "eval.k=2"
-    )
+    status, out, _ = drmas_here(capsys, tmp_path, "run", "--resume", "cut", *cut)
     assert status == 0 and "nothing left to do" in out
 
     # A damaged last checkpoint: say which file and stop, non-zero; never run zero steps.
     optimizer = tmp_path / "runs" / "math-tiny" / "cut" / "iter-000002" / "optim" / "solver" / "optimizer.safetensors"
     optimizer.write_bytes(optimizer.read_bytes()[:100])
-    broken = drmas_run(
-        tmp_path, "--resume", "cut", "eval.every=2", "eval.max_questions=3", "eval.k=2", "experiment.iterations=4"
-    )
+    broken = drmas_run(tmp_path, "--resume", "cut", *cut, "experiment.iterations=4")
     assert broken.returncode == 1
     assert "optim/solver/optimizer.safetensors" in broken.stderr and "manifest" in broken.stderr
 

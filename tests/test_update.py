@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from drmas.algos import compute_advantages
 from drmas.config import load_config
-from drmas.infra.layout import stage_path
+from drmas.infra.layout import PolicyRef, optim_path, stage_path
 from drmas.infra.schema import BATCH_SCHEMA
 from drmas.infra.store import Store
 from drmas.models import load_model, load_tokenizer
@@ -326,6 +326,49 @@ def test_per_agent_grad_norms_and_kl_to_the_reference(tmp_path):
     assert metrics[f"wg/{WG}/kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is its reference
 
 
+def _first_update(folder: Path, worker, *overrides: str):
+    """A run's iteration-0 update, in ``worker`` (None: no pool worker, as torchrun runs it)."""
+    import drmas.stages.update as U
+
+    config, store, policy, _ = make_run(folder, *overrides)
+    advantage(config, store, "run", 0)
+    first = U.update_rank(worker, config, store.settings(), "run", 0, WG, policy, None, None, False, "")
+    return config, store, PolicyRef(first.artifact), PolicyRef(optim_path(config.experiment.name, "run", 0, WG))
+
+
+def test_a_pool_worker_continues_from_the_training_state_it_kept(tmp_path, monkeypatch):
+    """With ``checkpoint.every=2`` the first update stores no optimizer state: its pool
+    worker keeps the training state (offloaded), and the next update continues from it (no
+    engine built, nothing read) to the bit where an update from the stored policy and
+    optimizer state (every=1, no worker) ends. Without the worker that update fails, naming
+    the state it would continue from (OptimizerStateLost)."""
+    import drmas.stages.update as U
+    from drmas.generation.workers import WorkerGroupRuntime
+
+    built: list[str] = []
+    start = U._start_training
+    monkeypatch.setattr(U, "_start_training", lambda *args: built.append(args[3].artifact) or start(*args))
+    config, _, _, _ = _first_update(tmp_path / "probe", None)  # the settings, for the worker
+    worker = WorkerGroupRuntime(WG, config.store)
+    config, store, policy, optim = _first_update(tmp_path / "warm", worker, "checkpoint.every=2")
+    assert not store.exists(optim.artifact) and worker.status()["training"] == policy.artifact
+    with pytest.raises(U.OptimizerStateLost, match=f"{optim.artifact}: the optimizer state .* is not stored"):
+        U.update_rank(None, config, store.settings(), "run", 0, WG, policy, optim, None, True, "")
+    built.clear()
+    warm = U.update_rank(worker, config, store.settings(), "run", 0, WG, policy, optim, None, True, "")
+    assert built == []  # continued from the worker's state
+
+    config, store_cold, policy, optim = _first_update(tmp_path / "cold", None)
+    cold = U.update_rank(None, config, store_cold.settings(), "run", 0, WG, policy, optim, None, True, "")
+    assert built[-1] == policy.artifact  # the cold update built its engine from the stored policy
+    weights = [
+        s.open(result.artifact).read_bytes("model.safetensors") for s, result in ((store, warm), (store_cold, cold))
+    ]
+    assert weights[0] == weights[1]
+    steady = [{k: v for k, v in r.metrics.items() if not k.endswith(("/time", "tokens_per_s"))} for r in (warm, cold)]
+    assert steady[0] == steady[1]
+
+
 def test_optimizer_state_round_trips_without_pickle(tmp_path):
     config, store, policy, _ = make_run(tmp_path, "train.warmup_steps=10")
     model = load_model(store.open(policy.artifact).download(tmp_path / "m"))
@@ -420,7 +463,9 @@ import drmas.stages.update as U
 import drmas.training.engines as E
 from drmas.stages.advantage import advantage
 from drmas.infra.layout import optim_path
-from drmas.generation.workers import PolicyRef
+import json
+from deepspeed.runtime.engine import DeepSpeedEngine
+from drmas.generation.workers import PolicyRef, WorkerGroupRuntime
 from safetensors.torch import load_file
 config_for = E.deepspeed_config
 def small_params_partitioned(config, group, world):  # DeepSpeed keeps parameters this small whole otherwise
@@ -428,8 +473,13 @@ def small_params_partitioned(config, group, world):  # DeepSpeed keeps parameter
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     return ds
 E.deepspeed_config = small_params_partitioned
-weights = {}
-for label in ("0", "1", "2", "3", "2+offload", "3+offload"):
+moved = []  # DeepSpeed's own offload and reload, called by a kept engine between updates
+def recorded(name, real):
+    return lambda self, *args, **kwargs: moved.append(name) or real(self, *args, **kwargs)
+for name in ("offload_states", "reload_states"):
+    setattr(DeepSpeedEngine, name, recorded(name, getattr(DeepSpeedEngine, name)))
+weights, kept = {}, {}
+for label in ("0", "1", "2", "3", "2+offload", "3+offload", "0+kept", "1+kept", "3+kept", "3+offload+kept"):
     stage, offload = label[0], "+offload" in label
     tmp = Path(tempfile.mkdtemp(dir=sys.argv[2]))
     config, store, policy, _ = make_run(
@@ -437,12 +487,17 @@ for label in ("0", "1", "2", "3", "2+offload", "3+offload"):
         "train.micro_batch_size=2",
     )
     advantage(config, store, "run", 0)
-    first = U.update(config, store, "run", 0, WG, policy, None)
+    worker = WorkerGroupRuntime(WG, config.store) if "+kept" in label else None
+    args = (config, store.settings(), "run", 0, WG)
+    first = U.update_rank(worker, *args, policy, None, None, False, "")
     optim = PolicyRef(optim_path(config.experiment.name, "run", 0, WG))
-    second = U.update(config, store, "run", 0, WG, PolicyRef(first.artifact), optim, overwrite=True)
+    moved.clear()
+    second = U.update_rank(worker, *args, PolicyRef(first.artifact), optim, None, True, "")
+    kept[label] = list(moved)
     weights[label] = load_file(str(store.open(second.artifact).download(tmp / "w") / "model.safetensors"))
 gaps = {label: max(float((weights[label][k] - weights["0"][k]).abs().max()) for k in weights["0"]) for label in weights}
 print("GAPS", gaps)
+print("MOVED", json.dumps(kept))
 print("GAP", max(gaps.values()))
 """
 
@@ -451,7 +506,9 @@ print("GAP", max(gaps.values()))
 def test_deepspeed_zero_stages_save_and_resume_alike(tmp_path):
     """Two updates with the optimizer state saved and restored in between: ZeRO-1, -2 and
     -3 (moments gathered per parameter; ZeRO-3's weights gathered for saving), also with
-    the optimizer offloaded to host memory, end where ZeRO-0 does."""
+    the optimizer offloaded to host memory, end where ZeRO-0 does; so do two updates in a
+    pool worker that keeps the engine in between, moved out and back by DeepSpeed's own
+    ``offload_states``/``reload_states`` (ZeRO >= 1)."""
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions")}
     done = subprocess.run(
         [sys.executable, "-c", ZERO_PARITY, str(Path(__file__).parent), str(tmp_path)],
@@ -463,6 +520,9 @@ def test_deepspeed_zero_stages_save_and_resume_alike(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     gap = float(done.stdout.split("GAP ")[-1])
     assert gap < 1e-5, done.stdout
+    moved = json.loads(done.stdout.split("MOVED ")[-1].splitlines()[0])
+    assert moved["0+kept"] == [] and moved["1"] == []  # ZeRO-0 moves tensors itself; nothing kept: no moves
+    assert all(moved[label] == ["reload_states", "offload_states"] for label in ("1+kept", "3+kept", "3+offload+kept"))
 
 
 def test_recomputed_old_logprobs_replace_the_engines(tmp_path):

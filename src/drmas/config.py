@@ -362,11 +362,12 @@ class DiagnosticsConfig(Section):
 
 class CheckpointConfig(Section):
     every: int = Field(1, ge=1)
-    """Keep the optimizer state (fp32 Adam moments: ~12 bytes a parameter) of every N-th
-    iteration, and always the latest one, which the next update and a resume start from;
-    the others are deleted when the next iteration is checkpointed. The policy is stored
-    every iteration (lineage, eval, rerun). 1: every iteration's (a rerun of any update
-    needs the optimizer state of the iteration before it)."""
+    """Store the optimizer state (fp32 Adam moments and master weights: ~12 bytes a
+    parameter) every N-th iteration and after the last one. In between, the pool's workers
+    hold it (host memory) from one update to the next; a run that loses its pool resumes
+    from the last iteration whose state was stored (recomputing the updates after it,
+    bit-exact on CPU). The policy is stored every iteration (lineage, eval, rerun). 1:
+    every iteration's (a rerun of any update needs the optimizer state before it)."""
     keep: int | None = Field(None, ge=1)
     """Of the every-N-th optimizer states (the latest aside), keep only the last N; unset: all."""
 
@@ -663,6 +664,11 @@ class DrmasConfig(Section):
             if group.name == name:
                 return group
         raise KeyError(f"no worker group {name!r}; worker groups: {', '.join(g.name for g in self.worker_groups())}")
+
+    def stores_optimizer(self, iteration: int) -> bool:
+        """Whether iteration ``iteration``'s update stores its optimizer state
+        (``checkpoint.every``): every N-th iteration, and the last one."""
+        return (iteration + 1) % self.checkpoint.every == 0 or iteration == self.experiment.iterations - 1
 
     def slots_of(self, wg: str) -> list[int]:
         """The pool slots worker group ``wg`` runs on (``ray.slots``; default: all)."""

@@ -43,7 +43,7 @@ from drmas.stages.contracts import (
 from drmas.stages.evaluate import evaluate
 from drmas.stages.policies import init_policies
 from drmas.stages.rollout import rollout, task_questions
-from drmas.stages.update import update
+from drmas.stages.update import OptimizerStateLost, update
 from drmas.stages.warmstart import warmstart
 
 __all__ = ["IterationResult", "RunSummary", "open_run", "rerun", "run_iteration", "summary_table", "train"]
@@ -66,6 +66,9 @@ class RunSummary:
 
 SAMPLE_CALLS = 16
 """Agent calls per iteration shown in MLflow's episodes table."""
+MAX_ROLLBACKS = 3
+"""How often a run goes back to its last stored optimizer state (its pool lost one held
+in memory) before it gives up."""
 
 
 def _sample_calls(store: Store, rollout_path: str) -> dict[str, list]:
@@ -153,7 +156,7 @@ def run_iteration(
         bar.set_postfix_str(name)
         path = contract.output(config)
         key = cache_key(config, store, contract)
-        if name in force or not is_cached(store, path, key):
+        if name in force or not (is_cached(store, path, key) and contract.reusable(config, store)):
             out.metrics.update(compute(key).metrics)
             out.recomputed.append(name)
         elif "metrics.json" in store.open(path).files:
@@ -262,8 +265,24 @@ def train(
                 )
                 tracker.log_metrics(before, step=0)
                 log.info("before training: %s", _eval_line(before, config.eval.k))
-            for i in range(start.next_iteration, total):
-                result = run_iteration(config, store, run_id, i, policies, optims, initial, pool)
+            i, rollbacks = start.next_iteration, 0
+            while i < total:
+                try:
+                    result = run_iteration(config, store, run_id, i, policies, optims, initial, pool)
+                except OptimizerStateLost as lost:
+                    rollbacks += 1
+                    if rollbacks > MAX_ROLLBACKS:
+                        raise
+                    back = resume_point(config, store, run_id)
+                    log.warning(
+                        "iteration %d: %s; going back to iteration %d, after the last stored optimizer state",
+                        i,
+                        lost,
+                        back.next_iteration,
+                    )
+                    i, optims = back.next_iteration, back.optims
+                    policies = initial if i == 0 else back.policies
+                    continue
                 policies, optims, metrics = result.policies, result.optims, result.metrics
                 tracker.log_metrics(metrics, step=i + 1)
                 tracker.log_lineage(i, {name: store.uri(path) for name, path in result.stages.items()})
@@ -274,6 +293,7 @@ def train(
                 )
                 last_checkpoint = store.uri(result.stages["checkpoint"])
                 log.info(_summary_line(i, metrics, config.eval.k))
+                i += 1
             pool.release()  # the run is complete: its pool goes
     except BaseException:
         tracker.finish("KILLED")
@@ -345,8 +365,9 @@ def rerun(
         if stage_name != "checkpoint" and not all(store.exists(ref.artifact) for ref in optims.values()):
             raise ValueError(
                 f"run {run_id}: the optimizer state of iteration {iteration - 1}, which the update of iteration "
-                f"{iteration} starts from, was not kept (checkpoint.every {config.checkpoint.every}, "
-                f"checkpoint.keep {config.checkpoint.keep}): iteration {iteration} cannot be rerun"
+                f"{iteration} starts from, is not in the store (stored every checkpoint.every "
+                f"{config.checkpoint.every}-th iteration, the last checkpoint.keep {config.checkpoint.keep} kept): "
+                f"iteration {iteration} cannot be rerun"
             )
     initial = starting_policies(config, store, run_id)
     if iteration == 0:

@@ -87,6 +87,7 @@ class WorkerGroupRuntime:
         self.tokenizer = None
         self.stop_ids: list[int] = []
         self.rank, self.world = 0, 1
+        self.training: Any = None
         self.last_used = time.monotonic()
         self.busy = False
 
@@ -191,11 +192,24 @@ class WorkerGroupRuntime:
         self.rank, self.world = rank, world
 
     def leave_group(self) -> None:
+        """Leave the process group; the training state kept for it goes too (its engine
+        is bound to the group)."""
         import torch.distributed as dist  # noqa: PLC0415
 
+        self.training = None
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         self.rank, self.world = 0, 1
+
+    def keep_training(self, state: Any) -> None:
+        """Keep an update's training state (``drmas.stages.update.HeldTraining``, offloaded)
+        for the group's next update."""
+        self.training = state
+
+    def take_training(self) -> Any:
+        """The kept training state (None if there is none); the worker no longer holds it."""
+        state, self.training = self.training, None
+        return state
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(self, *args)``: a stage's per-rank work (the update) in this worker, with
@@ -225,6 +239,7 @@ class WorkerGroupRuntime:
             "pid": os.getpid(),
             "rank": self.rank,
             "world": self.world,
+            "training": self.training.policy.artifact if self.training is not None else None,
         }
 
     # -- generation --------------------------------------------------------------------

@@ -14,12 +14,15 @@ stage is deterministic given its inputs, the resumed run is the run that was nev
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from drmas.config import DrmasConfig, PolicyError, WorkerGroup, weights_problem
 from drmas.infra.layout import PolicyRef, StageResult, init_policy_path, optim_path, policy_path, run_path, stage_path
 from drmas.infra.store import MANIFEST, ArtifactNotFound, CorruptArtifact, Store
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ResumePoint", "check_policy", "checkpoint", "read_checkpoint", "resume_point"]
 
@@ -42,7 +45,9 @@ def checkpoint(
     overwrite: bool = False,
     cache_key: str = "",
 ) -> StageResult:
-    """Commit the iteration: every worker group's policy and optimizer state, verified."""
+    """Commit the iteration: every worker group's policy and optimizer state, verified. An
+    iteration whose optimizer state is only held by the pool (``checkpoint.every``)
+    records it with no manifest: a resume goes back to the last one stored."""
     experiment = config.experiment.name
     groups = {}
     for group in config.worker_groups():
@@ -52,7 +57,7 @@ def checkpoint(
             "policy": policy,
             "policy_manifest": store.fingerprint(policy),
             "optim": optim,
-            "optim_manifest": store.fingerprint(optim),
+            "optim_manifest": store.fingerprint(optim) if store.exists(optim) else None,
         }
     path = stage_path(experiment, run_id, iteration, "checkpoint")
     with store.writer(
@@ -67,8 +72,8 @@ def checkpoint(
 def prune_optimizer_states(config: DrmasConfig, store: Store, run_id: str, iteration: int) -> list[int]:
     """Delete the optimizer states of the iterations before ``iteration`` that
     ``checkpoint.every`` and ``checkpoint.keep`` do not keep (after ``iteration`` is
-    checkpointed: its own state is the latest, which the next update starts from); returns
-    their iterations. Each goes manifest first, so a kill leaves no half-deleted state that
+    checkpointed), never the latest stored one (where a resume starts); returns their
+    iterations. Each goes manifest first, so a kill leaves no half-deleted state that
     a reader could take for a whole one."""
     every, keep = config.checkpoint.every, config.checkpoint.keep
     if every == 1 and keep is None:
@@ -83,7 +88,7 @@ def prune_optimizer_states(config: DrmasConfig, store: Store, run_id: str, itera
     )
     older = [i for i in stored if i < iteration]
     milestones = [i for i in older if (i + 1) % every == 0]
-    kept = set(milestones[-keep:] if keep else milestones)
+    kept = set(milestones[-keep:] if keep else milestones) | set(stored[-1:])  # the latest: where a resume starts
     doomed = [i for i in older if i not in kept]
     for i in doomed:
         for group in config.worker_groups():
@@ -92,29 +97,54 @@ def prune_optimizer_states(config: DrmasConfig, store: Store, run_id: str, itera
 
 
 def resume_point(config: DrmasConfig, store: Store, run_id: str) -> ResumePoint:
-    """The state after the last complete iteration, or the initial policies.
+    """The state after the last complete iteration whose optimizer states were stored, or
+    the initial policies. The iterations after it (their optimizer states were held only by
+    a pool, ``checkpoint.every``) run again: their rollouts are reused, their updates
+    recomputed (bit-exact on CPU).
 
     A checkpoint whose policies or optimizer states changed or vanished since it was
     written is refused with the path and the reason (CorruptArtifact), never skipped; so
     is a policy that is not the worker group's model (PolicyError, see ``check_policy``).
     """
     experiment = config.experiment.name
-    done = [
+    done = sorted(
         int(path.split("/")[-2].removeprefix("iter-"))
         for path in store.list(run_path(experiment, run_id))
         if path.endswith("/checkpoint")
-    ]
+    )
+    stored = next(
+        (i for i in reversed(done) if _stores_optimizer_states(store, stage_path(experiment, run_id, i, "checkpoint"))),
+        None,
+    )
+    if done and stored != done[-1]:
+        log.info(
+            "run %s: iterations %d-%d are checkpointed, but their optimizer states were held only by the pool "
+            "(checkpoint.every %d): their updates run again, from %s",
+            run_id,
+            0 if stored is None else stored + 1,
+            done[-1],
+            config.checkpoint.every,
+            "the start" if stored is None else f"iteration {stored}'s state",
+        )
+    if stored is not None:
+        return read_checkpoint(config, store, stage_path(experiment, run_id, stored, "checkpoint"))
     groups = [group.name for group in config.worker_groups()]
-    if not done:
-        policies = {wg: PolicyRef(init_policy_path(experiment, run_id, wg)) for wg in groups}
-        return ResumePoint(0, policies, {wg: None for wg in groups})
-    return read_checkpoint(config, store, stage_path(experiment, run_id, max(done), "checkpoint"))
+    policies = {wg: PolicyRef(init_policy_path(experiment, run_id, wg)) for wg in groups}
+    return ResumePoint(0, policies, {wg: None for wg in groups})
+
+
+def _stores_optimizer_states(store: Store, checkpoint_path: str) -> bool:
+    """Whether the checkpoint at ``checkpoint_path`` has every optimizer state stored."""
+    record = store.open(checkpoint_path).read_json("checkpoint.json")
+    return all(entry.get("optim_manifest") for entry in record["worker_groups"].values())
 
 
 def read_checkpoint(config: DrmasConfig, store: Store, path: str) -> ResumePoint:
     """What the checkpoint artifact at ``path`` names, each part checked: every worker
-    group's policy and optimizer state present and unchanged since the checkpoint was
-    written (CorruptArtifact otherwise), and each policy the group's model (``check_policy``)."""
+    group's policy and stored optimizer state present and unchanged since the checkpoint was
+    written (CorruptArtifact otherwise), and each policy the group's model (``check_policy``).
+    An optimizer state that was not stored (held by the pool) is named, unchecked: the
+    update that continues from it finds it in the pool or fails with OptimizerStateLost."""
     where = store.uri(path)
     record = store.open(path).read_json("checkpoint.json")
     policies, optims = {}, {}
@@ -123,6 +153,8 @@ def read_checkpoint(config: DrmasConfig, store: Store, path: str) -> ResumePoint
         if entry is None:
             raise CorruptArtifact(f"{where} has no worker group {group.name!r} (config changed?)")
         for kind in ("policy", "optim"):
+            if kind == "optim" and entry.get("optim_manifest") is None:
+                continue
             try:
                 found = store.fingerprint(entry[kind])
             except ArtifactNotFound:

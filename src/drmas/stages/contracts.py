@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 from drmas import __version__
 from drmas.config import WORKER_GROUP_FIELDS, DrmasConfig
 from drmas.infra.layout import PolicyRef, optim_path, policy_path, stage_path
-from drmas.infra.store import Store
+from drmas.infra.store import ArtifactNotFound, Store
 from drmas.stages.io import METRICS_FILE
 
 __all__ = [
@@ -81,10 +81,19 @@ class StageContract(ABC):
         """The artifacts the stage reads, name -> path under the store root (the key holds
         their content's fingerprint, not their path)."""
 
+    held_inputs: ClassVar[tuple[str, ...]] = ()
+    """Inputs (by name, or the part before its '/') that may exist only in the pool's
+    memory, not in the store (optimizer states between ``checkpoint.every`` iterations):
+    keyed by their path."""
+
     def values(self) -> dict[str, Any]:
         """Plain values the output depends on beyond its inputs and config (e.g. the
         iteration, which seeds the rollout's sampling)."""
         return {}
+
+    def reusable(self, config: DrmasConfig, store: Store) -> bool:
+        """Beyond a cached output with the same key, whether the stage may be skipped."""
+        return True
 
 
 def _policy_inputs(policies: Mapping[str, PolicyRef]) -> dict[str, str]:
@@ -165,8 +174,15 @@ class UpdateContract(StageContract):
             inputs["reference"] = self.reference.artifact
         return inputs
 
+    held_inputs: ClassVar[tuple[str, ...]] = ("optim",)
+
     def values(self) -> dict[str, Any]:
         return {"iteration": self.iteration, "wg": self.wg}
+
+    def reusable(self, config: DrmasConfig, store: Store) -> bool:
+        """Only with its optimizer state stored: skipped, the update leaves no state in the
+        pool for the next update to continue from."""
+        return store.exists(self.optim_output(config))
 
 
 def settings_label(config: DrmasConfig) -> str:
@@ -203,6 +219,7 @@ class CheckpointContract(StageContract):
     iteration: int
     name: ClassVar[str] = "checkpoint"
     fields: ClassVar[tuple[str, ...]] = _fields("checkpoint", *WORKER_GROUPS)
+    held_inputs: ClassVar[tuple[str, ...]] = ("optim",)
 
     def output(self, config: DrmasConfig) -> str:
         return stage_path(config.experiment.name, self.run_id, self.iteration, "checkpoint")
@@ -238,10 +255,18 @@ def cache_key(config: DrmasConfig, store: Store, stage: StageContract) -> str:
         "stage": stage.name,
         "config": {field: _select(resolved, field) for field in stage.fields},
         # metrics.json reports timings: it is not an input, and would make every key new.
-        "inputs": {
-            name: store.fingerprint(path, ignore=(METRICS_FILE,)) for name, path in sorted(stage.inputs(config).items())
-        },
+        "inputs": {name: _fingerprint(store, stage, name, path) for name, path in sorted(stage.inputs(config).items())},
         "values": stage.values(),
         "code": __version__,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _fingerprint(store: Store, stage: StageContract, name: str, path: str) -> str:
+    """An input's content fingerprint; for an input the pool may hold unstored, its path."""
+    try:
+        return store.fingerprint(path, ignore=(METRICS_FILE,))
+    except ArtifactNotFound:
+        if name.split("/")[0] in stage.held_inputs:
+            return f"held by the pool: {path}"
+        raise

@@ -16,10 +16,15 @@
 4. Clip the gradient norm; a non-finite norm skips the step (counted, never checkpointed).
    With ``diagnostics.per_agent_grad_norm``, before each step the norm of the gradient of
    each agent's share of the loss, from a side pass that leaves the update unchanged.
-5. Write the new policy (HF layout, safetensors) and the optimizer, scheduler and RNG state
-   (safetensors + JSON, never pickle) as two artifacts, manifests last.
+5. Write the new policy (HF layout, safetensors) and, every ``checkpoint.every``-th
+   iteration and after the last, the optimizer, scheduler and RNG state (safetensors +
+   JSON, never pickle) as two artifacts, manifests last.
 6. Hand the new weights to the worker's inference engine in memory: the next rollout
    generates from them without reading the store.
+7. The worker keeps the training state (engine, optimizer, reference model), offloaded to
+   host memory: the next update of the group continues from it (onloaded) without reading
+   the store or building an engine. A worker without it (a new or rebuilt pool, a policy
+   rewritten since) starts from the stored policy and optimizer state.
 
 Where it runs: on the pool (``pool`` given: the runner and the Kubeflow task), every worker
 of the group runs ``update_rank`` as one rank of the group's process group (data-parallel
@@ -38,6 +43,7 @@ import os
 import tempfile
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,12 +51,12 @@ import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 
-from drmas.config import DrmasConfig, StoreConfig
+from drmas.config import DrmasConfig, StoreConfig, WorkerGroup
 from drmas.generation.pool import RayPool
 from drmas.generation.workers import PolicyRef, WorkerGroupRuntime
 from drmas.infra.layout import StageResult, optim_path, policy_path, stage_path
 from drmas.infra.schema import BATCH_SCHEMA
-from drmas.infra.store import CorruptArtifact, Store
+from drmas.infra.store import ArtifactNotFound, CorruptArtifact, Store
 from drmas.models import load_model, load_tokenizer
 from drmas.training.engines import TrainEngine, make_engine, rank_and_world
 from drmas.training.loop import train_worker_group
@@ -59,7 +65,7 @@ from drmas.training.state import load_state, save_state
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["update", "update_rank"]
+__all__ = ["HeldTraining", "OptimizerStateLost", "update", "update_rank"]
 
 
 def update(
@@ -83,6 +89,51 @@ def update(
     return update_rank(None, *args)
 
 
+class OptimizerStateLost(RuntimeError):
+    """The optimizer state an update continues from is neither held by the pool nor
+    stored (``checkpoint.every`` > 1 and the pool was lost): the run goes back to the last
+    iteration whose state was stored (``drmas.stages.checkpoint.resume_point``)."""
+
+
+@dataclass
+class HeldTraining:
+    """One rank's training state, kept by its pool worker from one update to the next
+    (offloaded to host memory in between): the next update continues from it instead of
+    reading the policy and optimizer state from the store and building a new engine.
+
+    It continues only the update it came from: ``policy`` (what that update wrote, with its
+    manifest's fingerprint: a policy rewritten since is read from the store) and ``optim``
+    (the optimizer state's path, whether or not it was stored)."""
+
+    engine: TrainEngine
+    model: PreTrainedModel
+    tokenizer: Any
+    reference: PolicyRef | None
+    ref_model: torch.nn.Module | None
+    policy: PolicyRef
+    policy_manifest: str
+    optim: PolicyRef | None
+    rng: torch.Tensor
+
+    def continues(self, store: Store, policy: PolicyRef, optim: PolicyRef | None, reference: PolicyRef | None) -> bool:
+        return (
+            (policy, optim, reference) == (self.policy, self.optim, self.reference)
+            and store.exists(policy.artifact)
+            and store.fingerprint(policy.artifact) == self.policy_manifest
+        )
+
+    def offload(self) -> None:
+        self.engine.offload()
+        if self.ref_model is not None:
+            self.ref_model.to("cpu")
+
+    def onload(self) -> None:
+        self.engine.onload()
+        if self.ref_model is not None:
+            self.ref_model.to(self.engine.device)
+        torch.set_rng_state(self.rng)
+
+
 def update_rank(
     worker: WorkerGroupRuntime | None,
     config: DrmasConfig,
@@ -97,41 +148,43 @@ def update_rank(
     cache_key: str,
 ) -> StageResult:
     """One rank's share of the update (every rank of the group's process group runs it);
-    ``worker``: the pool worker it runs in, whose engine takes the new weights."""
+    ``worker``: the pool worker it runs in, whose engine takes the new weights and which
+    keeps this rank's training state for the next update."""
     started = time.perf_counter()
     store = Store.from_config(store_settings)
     rank, world = rank_and_world()
     group = next(g for g in config.worker_groups() if g.name == wg)
     experiment = config.experiment.name
     rows = _worker_group_rows(store, stage_path(experiment, run_id, iteration, "advantage"), wg)
+    held = worker.take_training() if worker is not None else None
     with tempfile.TemporaryDirectory() as scratch:
-        local = store.open(policy.artifact).download(Path(scratch) / "policy", prefix=policy.prefix)
-        dtype = group.spec.dtype if group.spec is not None else "float32"
-        model = load_model(local, dtype)
-        _prepare_for_training(model, config.train.gradient_checkpointing)
-        tokenizer = load_tokenizer(local)
-        engine = make_engine(model, group, config)
-        if optim is not None:
-            _import_stored_state(engine, store, optim, Path(scratch) / "optim")
-        else:  # the first update: its RNG (saved with the state) must not depend on the process's past
-            torch.manual_seed(zlib.crc32(f"{config.experiment.seed}/{wg}".encode()))
-        ref_model = _reference(config, store, reference, Path(scratch), dtype, engine.device)
+        if held is not None and held.continues(store, policy, optim, reference):
+            held.onload()
+        else:
+            del held  # another update's state: its memory goes before a new engine is built
+            held = _start_training(config, store, group, policy, optim, reference, Path(scratch))
+        engine, model, tokenizer = held.engine, held.model, held.tokenizer
         metrics = train_worker_group(
-            config, group, engine, model, ref_model, rows, tokenizer.pad_token_id, iteration, rank, world
+            config, group, engine, model, held.ref_model, rows, tokenizer.pad_token_id, iteration, rank, world
         )
         metrics[f"wg/{wg}/time"] = time.perf_counter() - started
         metrics[f"wg/{wg}/tokens_per_s"] = metrics[f"wg/{wg}/tokens"] / max(metrics[f"wg/{wg}/time"], 1e-9)
-        out_policy = policy_path(experiment, run_id, iteration, wg)
+        out_policy, out_optim = (
+            policy_path(experiment, run_id, iteration, wg),
+            optim_path(experiment, run_id, iteration, wg),
+        )
         # Every rank takes part in gathering partitioned weights and optimizer state.
-        weights, state = engine.full_weights(), engine.export_state()
+        weights = engine.full_weights()
+        state = engine.export_state() if config.stores_optimizer(iteration) else None
         if rank == 0:
             saved = Path(scratch) / "out"
             model.save_pretrained(saved / "policy", safe_serialization=True, state_dict=weights)
             tokenizer.save_pretrained(saved / "policy")
-            save_state(state, saved / "optim")
             meta = {"stage": "update", "iteration": iteration, "wg": wg, "cache_key": cache_key}
-            with store.writer(optim_path(experiment, run_id, iteration, wg), overwrite=overwrite, meta=meta) as out:
-                out.put_dir(saved / "optim", "")
+            if state is not None:
+                save_state(state, saved / "optim")
+                with store.writer(out_optim, overwrite=overwrite, meta=meta) as out:
+                    out.put_dir(saved / "optim", "")
             with store.writer(out_policy, overwrite=overwrite, meta=meta) as out:
                 out.put_dir(saved / "policy", "")
                 out.write_json("metrics.json", metrics)
@@ -139,7 +192,36 @@ def update_rank(
             dist.barrier()
         if worker is not None:
             worker.adopt(weights if weights is not None else model.state_dict(), PolicyRef(out_policy))
+            held.policy, held.optim = PolicyRef(out_policy), PolicyRef(out_optim)
+            held.policy_manifest, held.rng = store.fingerprint(out_policy), torch.get_rng_state()
+            held.offload()
+            worker.keep_training(held)
     return StageResult(out_policy, metrics)
+
+
+def _start_training(
+    config: DrmasConfig,
+    store: Store,
+    group: WorkerGroup,
+    policy: PolicyRef,
+    optim: PolicyRef | None,
+    reference: PolicyRef | None,
+    scratch: Path,
+) -> HeldTraining:
+    """A training state built from the store: the policy, a new engine, the optimizer
+    state stored at ``optim`` (None: a fresh optimizer) and the KL reference."""
+    local = store.open(policy.artifact).download(scratch / "policy", prefix=policy.prefix)
+    dtype = group.spec.dtype if group.spec is not None else "float32"
+    model = load_model(local, dtype)
+    _prepare_for_training(model, config.train.gradient_checkpointing)
+    tokenizer = load_tokenizer(local)
+    engine = make_engine(model, group, config)
+    if optim is not None:
+        _import_stored_state(engine, store, optim, scratch / "optim")
+    else:  # the first update: its RNG (saved with the state) must not depend on the process's past
+        torch.manual_seed(zlib.crc32(f"{config.experiment.seed}/{group.name}".encode()))
+    ref_model = _reference(config, store, reference, scratch, dtype, engine.device)
+    return HeldTraining(engine, model, tokenizer, reference, ref_model, policy, "", optim, torch.get_rng_state())
 
 
 def _prepare_for_training(model: PreTrainedModel, checkpointing: bool) -> None:
@@ -180,9 +262,16 @@ def _reference(
 
 def _import_stored_state(engine: TrainEngine, store: Store, optim: PolicyRef, scratch: Path) -> None:
     """Give ``engine`` the optimizer state stored at ``optim``; a state that cannot be read,
-    or that belongs to another model, is refused with its URI (CorruptArtifact)."""
-    artifact = store.open(optim.artifact)
+    or that belongs to another model, is refused with its URI (CorruptArtifact); one that
+    was never stored (held by a pool that is gone) raises OptimizerStateLost."""
     where = store.uri(optim.artifact, optim.prefix or None)
+    try:
+        artifact = store.open(optim.artifact)
+    except ArtifactNotFound:
+        raise OptimizerStateLost(
+            f"{where}: the optimizer state this update continues from is not stored (checkpoint.every "
+            "stores it every N-th iteration; the pool that held it in between is gone)"
+        ) from None
     try:
         engine.import_state(load_state(artifact.download(scratch, prefix=optim.prefix)))
     except (ValueError, KeyError, RuntimeError) as error:

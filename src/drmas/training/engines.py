@@ -89,6 +89,15 @@ class TrainEngine(Protocol):
         parameters are whole."""
         ...
 
+    def offload(self) -> None:
+        """Move the training state (weights, gradients, optimizer state) to host memory:
+        the engine kept between updates gives the device back to the rollout engine."""
+        ...
+
+    def onload(self) -> None:
+        """Bring what ``offload`` moved back to ``device`` for the next update."""
+        ...
+
 
 def _adamw(
     model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig
@@ -160,6 +169,12 @@ class TorchEngine:
 
     def full_weights(self) -> dict[str, torch.Tensor] | None:
         return None
+
+    def offload(self) -> None:
+        _move_module_and_optimizer(self.model, self.optimizer, torch.device("cpu"))
+
+    def onload(self) -> None:
+        _move_module_and_optimizer(self.model, self.optimizer, self.device)
 
     def _all_reduce(self) -> None:
         if rank_and_world()[1] > 1:
@@ -245,6 +260,43 @@ class DeepSpeedEngine:
                 weights[name] = param.detach().cpu().clone()
         return weights
 
+    def offload(self) -> None:
+        """ZeRO-1/2: DeepSpeed's ``offload_states`` (weights, gradients, master weights,
+        Adam's moments). ZeRO-3's refuses a client optimizer for the master weights and the
+        moments (it asserts FusedAdam): those two move here, the rest with DeepSpeed.
+        ZeRO-0 has no ZeRO optimizer: the module and the AdamW state move as in torch."""
+        if self.zero_stage == 0:
+            _move_module_and_optimizer(self.model, self.optimizer, torch.device("cpu"))
+            return
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum  # noqa: PLC0415
+
+        pin = self.device.type == "cuda"  # DeepSpeed's CPU accelerator cannot pin
+        if self.zero_stage < 3:
+            self.engine.offload_states(pin_memory=pin)
+            return
+        zero = self.engine.optimizer
+        on_device = [OffloadStateTypeEnum.lp_params, OffloadStateTypeEnum.lp_grads]
+        self.engine.offload_states(include=[*on_device, OffloadStateTypeEnum.contiguous_grad_buffer], pin_memory=pin)
+        _move_master_weights_and_moments(zero.fp32_partitioned_groups_flat, zero.optimizer, torch.device("cpu"))
+
+    def onload(self) -> None:
+        if self.zero_stage == 0:
+            _move_module_and_optimizer(self.model, self.optimizer, self.device)
+            return
+        self.engine.reload_states()
+        zero = self.engine.optimizer
+        if self.zero_stage == 3:
+            _move_master_weights_and_moments(zero.fp32_partitioned_groups_flat, zero.optimizer, self.device)
+            return
+        # ZeRO-1/2's offload drops each parameter's link to its Adam moments, and the reload
+        # relinks only the weights (DeepSpeed 0.19.8): relink the moments, or gathering them
+        # (``export_state``) fails.
+        from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state  # noqa: PLC0415
+
+        for params, flat in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups, strict=True):
+            if flat in zero.optimizer.state:
+                lazy_init_hp_params_optimizer_state(params, flat, zero.optimizer.state)
+
     def export_state(self) -> TrainState:
         """ZeRO-1/2/3 keep Adam's moments in flat partitions: gather them per parameter (a
         collective: every rank calls this), so the saved state has one layout whatever the
@@ -305,6 +357,31 @@ class DeepSpeedEngine:
     def _base_step(self) -> float:
         slots = list(self.engine.optimizer.optimizer.state.values())
         return float(slots[0]["step"]) if slots and "step" in slots[0] else 0.0
+
+
+def _move_module_and_optimizer(module: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Move a module's parameters (and gradients) and its optimizer's tensors to ``device``
+    in place: the optimizer keeps its keys (the parameter objects), only their data moves."""
+    if next(module.parameters()).device == device:
+        return
+    module.to(device)
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                state[key] = value.to(device)
+
+
+def _move_master_weights_and_moments(
+    flats: list[torch.Tensor], optimizer: torch.optim.Optimizer, device: torch.device
+) -> None:
+    """ZeRO-3's fp32 partitions (the master weights) and the AdamW moments keyed by them:
+    the data moves, the tensors (the optimizer's keys) stay the same objects."""
+    for flat in flats:
+        flat.data = flat.data.to(device)
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                state[key].data = state[key].data.to(device)
 
 
 def deepspeed_config(config: DrmasConfig, group: WorkerGroup, world: int) -> dict[str, Any]:

@@ -47,7 +47,8 @@ def update(
                 config, store, run_id, iteration, wg, current, optim, anchor, overwrite=True, cache_key=key, pool=pool()
             )
 
-    reuse_or_compute(store, path, key, force, compute, label=f"policy/{wg} iter {iteration}")
+    reusable = contract.reusable(config, store)
+    reuse_or_compute(store, path, key, force or not reusable, compute, label=f"policy/{wg} iter {iteration}")
     optim_out = contract.optim_output(config)
     publish(store, path, policy, iteration, wg=wg, optim=optim_out, optim_uri=store.uri(optim_out))
     publish_metrics(store.open(path).read_json(METRICS_FILE), metrics)
