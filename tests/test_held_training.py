@@ -31,7 +31,14 @@ def test_a_run_that_loses_its_pool_goes_back_to_its_last_stored_optimizer_state(
 
     config = load_config(
         ROOT / "configs" / "math_tiny.yaml",
-        [*TINY_OVERRIDES, "experiment.iterations=2", "checkpoint.every=2", "eval.every=0", f"store.root={tmp_path}"],
+        [
+            *TINY_OVERRIDES,
+            "experiment.iterations=2",
+            "checkpoint.every=2",
+            "eval.every=0",
+            "warmstart.steps=0",
+            f"store.root={tmp_path}",
+        ],
     )
     store, experiment = Store(str(tmp_path)), config.experiment.name
     first_policy: dict[str, bytes] = {}

@@ -516,3 +516,24 @@ def test_submit_reports_an_unreachable_server(tmp_path, capsys, monkeypatch):
     assert code == 1
     assert f"could not start the run on {host}" in captured.err
     assert "store.root is './runs', a local folder" in captured.err
+
+
+def test_a_kfp_task_setter_misused_still_names_itself():
+    """drmas gives kfp's task setters a cheap way to name themselves (``platform.py``): the
+    error for a setter on an importer task (no container) still says which setter."""
+    from kfp import dsl
+
+    import drmas_kfp.pipelines.platform  # noqa: F401 - what installs it
+
+    raised: list[str] = []
+
+    @dsl.pipeline
+    def misuse():
+        task = dsl.importer(artifact_uri="s3://bucket/policy", artifact_class=dsl.Model)
+        try:
+            task.set_cpu_request("1")
+        except ValueError as error:
+            raised.append(str(error))
+
+    assert misuse is not None
+    assert len(raised) == 1 and raised[0].startswith("set_cpu_request can only be used on single-step components")
