@@ -73,8 +73,8 @@ def small_params_partitioned(config, group, world):
     return ds
 E.deepspeed_config = small_params_partitioned
 made = []
-make_engine = U.make_engine
-U.make_engine = lambda *args: made.append(make_engine(*args)) or made[-1]
+make_engine = E.make_engine
+E.make_engine = lambda *args: made.append(make_engine(*args)) or made[-1]
 
 if int(os.environ.get("WORLD_SIZE", "1")) > 1:
     dist.init_process_group("gloo")

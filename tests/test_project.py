@@ -14,8 +14,8 @@ ROOT = Path(__file__).parent.parent
 HEAVY = ("ray", "kfp", "deepspeed", "sglang", "mlflow")
 
 
-def _heavy_modules_after(statement: str) -> list[str]:
-    probe = f"import sys; {statement}; print(','.join(m for m in {HEAVY!r} if m in sys.modules))"
+def _heavy_modules_after(statement: str, heavy: tuple[str, ...] = HEAVY) -> list[str]:
+    probe = f"import sys; {statement}; print(','.join(m for m in {heavy!r} if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     return [name for name in result.stdout.strip().split(",") if name]
 
@@ -26,6 +26,14 @@ def test_core_imports_stay_light():
 
 def test_the_probe_does_see_a_heavy_import():
     assert _heavy_modules_after("import drmas.config, kfp") == ["kfp"]
+
+
+def test_the_pool_stages_drivers_load_no_torch():
+    """The rollout, update and evaluation tasks are thin Ray drivers: what they import
+    loads neither torch nor transformers (the pool's workers do), so a task starts in a
+    second rather than six."""
+    drivers = "import drmas.stages.rollout, drmas.stages.update, drmas.stages.evaluate, drmas.generation.pool"
+    assert _heavy_modules_after(drivers, ("torch", "transformers", "deepspeed")) == []
 
 
 def test_layout():

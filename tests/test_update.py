@@ -221,7 +221,7 @@ def test_activation_checkpointing_recomputes_and_changes_nothing(tmp_path, monke
         )
         return model
 
-    monkeypatch.setattr("drmas.stages.update.load_model", load_and_watch)
+    monkeypatch.setattr("drmas.models.load_model", load_and_watch)  # the update imports it when it trains
     results = {}
     for on in (False, True):
         config, store, policy, _ = make_run(

@@ -48,8 +48,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow.compute as pc
-import torch
-import torch.distributed as dist
 
 from drmas.config import DrmasConfig, StoreConfig, WorkerGroup
 from drmas.generation.pool import RayPool
@@ -57,13 +55,14 @@ from drmas.generation.workers import PolicyRef, WorkerGroupRuntime
 from drmas.infra.layout import StageResult, optim_path, policy_path, stage_path
 from drmas.infra.schema import BATCH_SCHEMA
 from drmas.infra.store import ArtifactNotFound, CorruptArtifact, Store
-from drmas.models import load_model, load_tokenizer
-from drmas.training.engines import TrainEngine, make_engine, rank_and_world
-from drmas.training.loop import train_worker_group
-from drmas.training.state import load_state, save_state
 
+# torch, transformers and the training code are imported where a rank trains: the driver
+# that calls ``update`` (a Kubeflow task, a thin Ray driver) starts in a second, not six.
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel
+
+    from drmas.training.engines import TrainEngine
 
 __all__ = ["HeldTraining", "OptimizerStateLost", "update", "update_rank"]
 
@@ -128,6 +127,8 @@ class HeldTraining:
             self.ref_model.to("cpu")
 
     def onload(self) -> None:
+        import torch  # noqa: PLC0415
+
         self.engine.onload()
         if self.ref_model is not None:
             self.ref_model.to(self.engine.device)
@@ -150,6 +151,13 @@ def update_rank(
     """One rank's share of the update (every rank of the group's process group runs it);
     ``worker``: the pool worker it runs in, whose engine takes the new weights and which
     keeps this rank's training state for the next update."""
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from drmas.training.engines import rank_and_world  # noqa: PLC0415
+    from drmas.training.loop import train_worker_group  # noqa: PLC0415
+    from drmas.training.state import save_state  # noqa: PLC0415
+
     started = time.perf_counter()
     store = Store.from_config(store_settings)
     rank, world = rank_and_world()
@@ -210,6 +218,11 @@ def _start_training(
 ) -> HeldTraining:
     """A training state built from the store: the policy, a new engine, the optimizer
     state stored at ``optim`` (None: a fresh optimizer) and the KL reference."""
+    import torch  # noqa: PLC0415
+
+    from drmas.models import load_model, load_tokenizer  # noqa: PLC0415
+    from drmas.training.engines import make_engine  # noqa: PLC0415
+
     local = store.open(policy.artifact).download(scratch / "policy", prefix=policy.prefix)
     dtype = group.spec.dtype if group.spec is not None else "float32"
     model = load_model(local, dtype)
@@ -253,6 +266,8 @@ def _reference(
         return None
     if reference is None:
         raise ValueError("algorithm.kl_coef > 0 needs a reference policy (the run's initial policy)")
+    from drmas.models import load_model  # noqa: PLC0415
+
     local = store.open(reference.artifact).download(scratch / "reference", prefix=reference.prefix)
     model: torch.nn.Module = load_model(local, dtype)
     model.to(device)
@@ -264,6 +279,8 @@ def _import_stored_state(engine: TrainEngine, store: Store, optim: PolicyRef, sc
     """Give ``engine`` the optimizer state stored at ``optim``; a state that cannot be read,
     or that belongs to another model, is refused with its URI (CorruptArtifact); one that
     was never stored (held by a pool that is gone) raises OptimizerStateLost."""
+    from drmas.training.state import load_state  # noqa: PLC0415
+
     where = store.uri(optim.artifact, optim.prefix or None)
     try:
         artifact = store.open(optim.artifact)
@@ -284,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     Under torchrun every rank runs this; ranks share the work and rank 0 writes.
     """
     import argparse  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from drmas.training.engines import rank_and_world  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(description="update one worker group")
     parser.add_argument("--config", required=True, help="resolved config (JSON file)")
