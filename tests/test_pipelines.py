@@ -350,6 +350,38 @@ def test_kfp_local_runs_every_stage_then_recomputes_only_the_forced_one(tmp_path
     print(f"kfp.local: first run {first_run:.0f} s, forced rerun {forced_run:.0f} s")
 
 
+@pytest.mark.slow
+def test_a_three_iteration_kfp_local_run_starts_its_pool_once(tmp_path):
+    """`drmas run --via kfp-local` of the train pipeline over 3 iterations: the first task
+    that needs the pool starts its workers (one per worker group and slot), and every later
+    one (the rollouts and the updates of every iteration, each a process of its own) finds
+    them warm; none starts another."""
+    command = [
+        str(Path(sys.executable).parent / "drmas"),
+        "run",
+        str(ROOT / "configs" / "math_tiny.yaml"),
+        *TINY_OVERRIDES,
+        "experiment.iterations=3",
+        "eval.every=0",
+        "warmstart.steps=0",
+        f"store.root={tmp_path / 'runs'}",
+        "--via",
+        "kfp-local",
+        "--run-id",
+        "three",
+    ]
+    done = subprocess.run(
+        command, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900
+    )
+    output = ANSI.sub("", done.stdout + done.stderr)
+    assert done.returncode == 0, output[-6000:]
+    pools = re.findall(r"drmas: pool (started|found warm): (\d+) worker\(s\) on 1 slot\(s\), (\d+) started", output)
+    assert [found for found, _, _ in pools] == ["started", *["found warm"] * (3 * 3 - 1)]  # 3 rollouts, 6 updates
+    assert {int(workers) for _, workers, _ in pools} == {2}
+    assert sum(int(started) for _, _, started in pools) == 2
+    assert (tmp_path / "runs" / "math-tiny" / "three" / "iter-000002" / "checkpoint" / "_MANIFEST.json").is_file()
+
+
 # --------------------------------------------------------------------------------------
 # Submission: kfp.Client against a stand-in of the KFP API server
 # --------------------------------------------------------------------------------------

@@ -630,7 +630,10 @@ class PoolOnDemand:
             )
             workers = sum(len(group) for group in self.pool.workers.values())
             found = "started" if self.pool.started == workers else "found warm"
-            print(f"drmas: pool {found}: {workers} worker(s) on {self.config.ray.pool_size} slot(s)", flush=True)
+            slots = self.config.ray.pool_size
+            print(
+                f"drmas: pool {found}: {workers} worker(s) on {slots} slot(s), {self.pool.started} started", flush=True
+            )
         return self.pool
 
     def release(self) -> None:

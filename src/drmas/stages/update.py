@@ -287,12 +287,27 @@ def _import_stored_state(engine: TrainEngine, store: Store, optim: PolicyRef, sc
     except ArtifactNotFound:
         raise OptimizerStateLost(
             f"{where}: the optimizer state this update continues from is not stored (checkpoint.every "
-            "stores it every N-th iteration; the pool that held it in between is gone)"
+            f"stores it every N-th iteration; the pool that held it in between is gone); {_last_stored(store, optim)}"
         ) from None
     try:
         engine.import_state(load_state(artifact.download(scratch, prefix=optim.prefix)))
     except (ValueError, KeyError, RuntimeError) as error:
         raise CorruptArtifact(f"{where}: cannot resume the optimizer from it: {error}") from None
+
+
+def _last_stored(store: Store, optim: PolicyRef) -> str:
+    """Where a run that lost ``optim`` (``{run}/iter-{i}/optim/{wg}``) can continue from:
+    after the latest stored optimizer state of the same worker group before it."""
+    run, iteration, _, wg = optim.artifact.rsplit("/", 3)
+    stored = sorted(
+        found.rsplit("/", 3)[1]
+        for found in store.list(run)
+        if found.endswith(f"/optim/{wg}") and found.rsplit("/", 3)[1] < iteration
+    )
+    if not stored:
+        return "no earlier state is stored: the run starts again from its start"
+    following = int(stored[-1].removeprefix("iter-")) + 1
+    return f"the last stored is {stored[-1]}'s: continue from iteration {following} (--start-iteration {following})"
 
 
 def main(argv: list[str] | None = None) -> int:
