@@ -287,7 +287,7 @@ def test_the_plan_command_prints_the_table_and_exits_by_the_verdict(capsys):
     out = capsys.readouterr().out
     assert "8 slot(s) of 80.0 GB; ZeRO-2 with optimizer offload" in out
     assert "rollout peak 42.0 GB, update peak 27.4 GB: fits in 80.0 GB" in out
-    assert "host memory per slot: 12.1 GB (every group's offloaded optimizer state)" in out
+    assert "host memory per slot: 30.2 GB (every group's training state, kept between updates)" in out
     for row in ("engine weights", "KV cache", "activations, checkpointing", "activations, none", "logits"):
         assert row in out
     assert main(["plan", MATH_RECIPE, "--device-memory", "24GB"]) == 1

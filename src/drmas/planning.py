@@ -318,9 +318,12 @@ class MemoryPlan:
 
     @property
     def host_memory(self) -> int:
-        """Host memory per slot for every group's offloaded optimizer state (it stays there
-        between updates)."""
-        return sum(group.optimizer_host for group in self.groups)
+        """Host memory per slot for every group's training state, which its worker keeps
+        offloaded between updates (weights, gradients, optimizer state, reference model)."""
+        return sum(
+            group.train_params + group.train_grads + group.optimizer + group.optimizer_host + group.reference_model
+            for group in self.groups
+        )
 
     @property
     def fits(self) -> bool | None:
@@ -593,7 +596,7 @@ def _render(plan: MemoryPlan) -> str:
             "",
             f"rollout peak {_gb(plan.rollout_peak)}, update peak {_gb(plan.update_peak)}: {verdict}",
             *(
-                [f"host memory per slot: {_gb(plan.host_memory)} (every group's offloaded optimizer state)"]
+                [f"host memory per slot: {_gb(plan.host_memory)} (every group's training state, kept between updates)"]
                 if plan.host_memory
                 else []
             ),
