@@ -338,3 +338,19 @@ def test_drmas_run_survives_the_server_going_away(tmp_path, mlflow_server):
 
 def _checkpoint(tmp_path: Path, iteration: int) -> Path:
     return tmp_path / "runs" / "math-tiny" / "cut" / f"iter-{iteration:06d}" / "checkpoint" / "_MANIFEST.json"
+
+
+def test_experiments_open_on_training_runs_in_the_mlflow_ui(tmp_path):
+    """MLflow 3's UI opens an experiment by its ``mlflow.experimentKind`` tag: drmas tags
+    the experiments it creates or finds untagged as model development, and keeps a kind
+    that a user set."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    Tracker(_config(uri), "first", str(tmp_path / "runs")).finish()
+    client = mlflow.MlflowClient(uri)
+    experiment = client.get_experiment_by_name("math-tiny")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    client.set_experiment_tag(experiment.experiment_id, "mlflow.experimentKind", "genai_development")
+    Tracker(_config(uri), "second", str(tmp_path / "runs")).finish()
+    assert client.get_experiment(experiment.experiment_id).tags["mlflow.experimentKind"] == "genai_development"

@@ -68,6 +68,10 @@ FIRST_COOLDOWN_S = 30.0
 MAX_COOLDOWN_S = 300.0
 MAX_PENDING = 1000
 """Calls held while the server is down (about 200 iterations of the runner's calls)."""
+EXPERIMENT_KIND, MODEL_DEVELOPMENT = "mlflow.experimentKind", "custom_model_development"
+"""The experiment tag MLflow 3's UI reads to open an experiment on its training runs and
+their charts (untagged, it opens drmas experiments in its GenAI mode, "Evaluation runs");
+a kind a user set is kept."""
 
 
 class TrackingUnavailable(RuntimeError):
@@ -232,6 +236,8 @@ class Tracker:
             if experiment
             else self.client.create_experiment(self.experiment_name, artifact_location=_artifact_location(self.uri))
         )
+        if experiment is None or EXPERIMENT_KIND not in experiment.tags:
+            self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND, MODEL_DEVELOPMENT)
         found = self.client.search_runs(
             [self.experiment_id], filter_string=f"tags.`drmas.run_id` = '{run_id}'", max_results=1
         )
