@@ -255,7 +255,8 @@ def test_a_stage_reads_only_the_config_its_contract_lists(tiny, stage):
     stored, tracked and scheduled (placement) never changes what a stage writes."""
     fields = CONTRACTS[stage].fields
     assert tiny.reads[stage], f"{stage}: no config read was recorded (is the recording broken?)"
-    unlisted = sorted(read for read in tiny.reads[stage] if not covered(read, (*fields, *PLACEMENT_FIELDS)))
+    allowed = (*fields, *CONTRACTS[stage].storage_fields, *PLACEMENT_FIELDS)
+    unlisted = sorted(read for read in tiny.reads[stage] if not covered(read, allowed))
     assert not unlisted, f"the {stage} stage reads {unlisted}, which its contract does not list ({fields})"
 
 
@@ -318,3 +319,17 @@ def test_an_unlabelled_evaluation_is_named_after_its_settings(tmp_path):
     assert unlabelled.output(first) == f"exp/run/iter-000002/{settings_label(first)}"
     assert unlabelled.output(first) != unlabelled.output(second)
     assert EvaluateContract("exp/run/init", {}).output(first) == "exp/run/init/evaluate"
+
+
+def test_what_decides_only_what_is_stored_leaves_the_key_alone(tiny):
+    """``checkpoint.every`` and ``experiment.iterations`` decide only whether the update
+    stores its optimizer state: a run stored otherwise, or extended, reuses its updates."""
+    wg, policy = next(iter(tiny.initial.items()))
+    contract = UpdateContract(RUN, 0, wg, policy, None, policy)
+    changed = tiny.config.model_copy(
+        update={
+            "checkpoint": tiny.config.checkpoint.model_copy(update={"every": 3}),
+            "experiment": tiny.config.experiment.model_copy(update={"iterations": 9}),
+        }
+    )
+    assert cache_key(tiny.config, tiny.store, contract) == cache_key(changed, tiny.store, contract)

@@ -81,6 +81,10 @@ class StageContract(ABC):
         """The artifacts the stage reads, name -> path under the store root (the key holds
         their content's fingerprint, not their path)."""
 
+    storage_fields: ClassVar[tuple[str, ...]] = ()
+    """Config the stage reads only to decide what it stores beside its output, never what it
+    computes (the update's ``checkpoint.every``): not in its key; ``reusable`` checks what
+    was stored."""
     held_inputs: ClassVar[tuple[str, ...]] = ()
     """Inputs (by name, or the part before its '/') that may exist only in the pool's
     memory, not in the store (optimizer states between ``checkpoint.every`` iterations):
@@ -174,6 +178,7 @@ class UpdateContract(StageContract):
             inputs["reference"] = self.reference.artifact
         return inputs
 
+    storage_fields: ClassVar[tuple[str, ...]] = ("checkpoint.every", "experiment.iterations")
     held_inputs: ClassVar[tuple[str, ...]] = ("optim",)
 
     def values(self) -> dict[str, Any]:
