@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -114,7 +115,10 @@ def main() -> None:
             with RayPool(config, store, threads=os.cpu_count()) as pool:
                 pool._form_group(wg)
                 for name, call, drop in (("cold", first, False), ("kept", again, False), ("rebuilt", again, True)):
-                    refs = [worker.run.remote(measured_update, *call, drop_kept=drop) for worker in pool.workers[wg]]
+                    refs = [
+                        worker.run.remote(partial(measured_update, drop_kept=drop), *call)
+                        for worker in pool.workers[wg]
+                    ]
                     calls[name] = ray.get(refs)
             rate = calls["cold"][0][0].metrics[f"wg/{wg}/tokens_per_s"]
             memory = {name: max(growth for _, growth, _ in ranks) for name, ranks in calls.items()}
