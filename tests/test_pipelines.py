@@ -19,7 +19,7 @@ from helpers import TINY_OVERRIDES
 
 import drmas
 from drmas.cli import main
-from drmas.config import load_config
+from drmas.config import CheckpointConfig, load_config
 from drmas_kfp import components
 from drmas_kfp.pipelines.build import build_pipeline, compile_pipeline, parse_force
 from drmas_kfp.pipelines.platform import S3_SECRET
@@ -168,6 +168,21 @@ def test_force_turns_off_caching_for_the_named_tasks_only(tmp_path):
         "update verifier 2",
         "evaluate before training",
     }
+
+
+def test_updates_whose_optimizer_state_the_pool_holds_are_never_skipped_by_kfp(tmp_path):
+    """checkpoint.every > 1: KFP's cache is off for every update task (a skipped update
+    would leave the pool no optimizer state for the next); the other tasks keep it."""
+    config = config_of("math_tiny").model_copy(update={"checkpoint": CheckpointConfig(every=2)})
+    spec, _ = compiled(tmp_path, "train", config)
+    caching = {
+        task["taskInfo"]["name"]: task.get("cachingOptions", {}).get("enableCache", False)
+        for task in spec["root"]["dag"]["tasks"].values()
+    }
+    updates = {name for name in caching if name.startswith("update ")}
+    assert len(updates) == 2 * config.experiment.iterations
+    assert not any(caching[name] for name in updates)
+    assert all(caching[name] for name in caching if name not in updates)
 
 
 def test_force_names_are_checked():

@@ -123,8 +123,15 @@ class _Builder:
 
     def task(self, stage: str, task: PipelineTask, name: str, forced: bool = False) -> PipelineTask:
         task.set_display_name(name)
-        task.set_caching_options(not forced)
+        task.set_caching_options(not forced and self._cacheable(stage))
         return place(task, self.placement(stage, self.config))
+
+    def _cacheable(self, stage: str) -> bool:
+        """Whether KFP may skip the task when its inputs are the same artifacts. Not an
+        update whose optimizer states are stored only every ``checkpoint.every``-th
+        iteration: skipped, it leaves the pool no state for the next update (drmas's own
+        cache, which the task still consults, reuses only updates whose state is stored)."""
+        return stage != "update" or self.config.checkpoint.every == 1
 
     def starting_point(self, config_json, run_id, first: int, start_checkpoint):
         """(policies, reference) for iteration ``first``: the warm start, or the imported
