@@ -25,6 +25,7 @@ import torch
 from standin_device import STANDIN, StandInDevice
 from test_update import WG, make_run
 
+import drmas.models as models
 import drmas.stages.update as update_stage
 import drmas.training.batching as batching
 import drmas.training.engines as engines
@@ -70,9 +71,10 @@ def watched_update(tmp_path: Path, monkeypatch, *overrides: str, resume: bool = 
         seen["engine"].append(engine.device)
         return engine
 
-    load_model, policy_loss, make_engine = update_stage.load_model, loop.policy_loss, update_stage.make_engine
-    monkeypatch.setattr(update_stage, "load_model", load_and_watch)
-    monkeypatch.setattr(update_stage, "make_engine", engine_and_watch)
+    # The update imports these where a rank trains: patched in their modules, it gets the watchers.
+    load_model, policy_loss, make_engine = models.load_model, loop.policy_loss, engines.make_engine
+    monkeypatch.setattr(models, "load_model", load_and_watch)
+    monkeypatch.setattr(engines, "make_engine", engine_and_watch)
     monkeypatch.setattr(loop, "policy_loss", loss_and_watch)
     monkeypatch.setattr(engines, "training_device", lambda: STANDIN)
     with StandInDevice() as device:

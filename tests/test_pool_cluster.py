@@ -194,11 +194,12 @@ def dies_once_on_rank_1(worker, *args):
     # The update as the pool runs it, except that rank 1's process is SIGKILLed once,
     # in the middle of the update (the model loaded, before its first step).
     import drmas.stages.update as stage
+    import drmas.training.loop as loop
     from drmas.training.engines import rank_and_world
 
     if rank_and_world()[0] == 1 and not marker.exists():
         marker.touch()
-        stage.train_worker_group = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        loop.train_worker_group = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
     return stage.update_rank(worker, *args)
 
 config = load_config(config_path, overrides)
