@@ -254,28 +254,31 @@ SMALL = ["experiment.iterations=1", *TINY_OVERRIDES, "eval.every=1", "eval.max_q
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def kfp_local(tmp_path: Path, *args: str) -> tuple[str, dict[str, str]]:
-    """`drmas run --via kfp-local` of rl_iteration in tmp_path (kfp.local's root and cache in
-    tmp_path/.cache); returns its output and, per KFP task, 'executed' or 'cache hit'."""
+def via_kfp_local(tmp_path: Path, settings: list[str], *args: str) -> str:
+    """`drmas run --via kfp-local` of the tiny math config with ``settings`` in tmp_path
+    (kfp.local's root and cache in tmp_path/.cache); its output, which must say success."""
     command = [
         str(Path(sys.executable).parent / "drmas"),
         "run",
         str(ROOT / "configs" / "math_tiny.yaml"),
-        *SMALL,
+        *settings,
         f"store.root={tmp_path / 'runs'}",
         "--via",
         "kfp-local",
-        "--pipeline",
-        "rl_iteration",
-        "--run-id",
-        "k",
         *args,
     ]
     done = subprocess.run(
-        command, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600
+        command, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900
     )
     output = ANSI.sub("", done.stdout + done.stderr)
     assert done.returncode == 0, output[-6000:]
+    return output
+
+
+def kfp_local(tmp_path: Path, *args: str) -> tuple[str, dict[str, str]]:
+    """The rl_iteration pipeline of run 'k' via kfp-local; its output and, per KFP task,
+    'executed' or 'cache hit'."""
+    output = via_kfp_local(tmp_path, SMALL, "--pipeline", "rl_iteration", "--run-id", "k", *args)
     tasks = {name: "executed" for name in re.findall(r"Executing task '([\w-]+)'", output)}
     tasks |= {name: "cache hit" for name in re.findall(r"Task ([\w-]+) cache hit", output)}
     return output, tasks
@@ -371,25 +374,8 @@ def test_a_three_iteration_kfp_local_run_starts_its_pool_once(tmp_path):
     that needs the pool starts its workers (one per worker group and slot), and every later
     one (the rollouts and the updates of every iteration, each a process of its own) finds
     them warm; none starts another."""
-    command = [
-        str(Path(sys.executable).parent / "drmas"),
-        "run",
-        str(ROOT / "configs" / "math_tiny.yaml"),
-        *TINY_OVERRIDES,
-        "experiment.iterations=3",
-        "eval.every=0",
-        "warmstart.steps=0",
-        f"store.root={tmp_path / 'runs'}",
-        "--via",
-        "kfp-local",
-        "--run-id",
-        "three",
-    ]
-    done = subprocess.run(
-        command, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900
-    )
-    output = ANSI.sub("", done.stdout + done.stderr)
-    assert done.returncode == 0, output[-6000:]
+    settings = [*TINY_OVERRIDES, "experiment.iterations=3", "eval.every=0", "warmstart.steps=0"]
+    output = via_kfp_local(tmp_path, settings, "--run-id", "three")
     pools = re.findall(r"drmas: pool (started|found warm): (\d+) worker\(s\) on 1 slot\(s\), (\d+) started", output)
     assert [found for found, _, _ in pools] == ["started", *["found warm"] * (3 * 3 - 1)]  # 3 rollouts, 6 updates
     assert {int(workers) for _, workers, _ in pools} == {2}

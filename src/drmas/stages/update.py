@@ -115,11 +115,12 @@ class HeldTraining:
     rng: torch.Tensor
 
     def continues(self, store: Store, policy: PolicyRef, optim: PolicyRef | None, reference: PolicyRef | None) -> bool:
-        return (
-            (policy, optim, reference) == (self.policy, self.optim, self.reference)
-            and store.exists(policy.artifact)
-            and store.fingerprint(policy.artifact) == self.policy_manifest
-        )
+        if (policy, optim, reference) != (self.policy, self.optim, self.reference):
+            return False
+        try:
+            return store.fingerprint(policy.artifact) == self.policy_manifest
+        except ArtifactNotFound:
+            return False
 
     def offload(self) -> None:
         self.engine.offload()

@@ -275,8 +275,12 @@ class DeepSpeedEngine:
             self.engine.offload_states(pin_memory=pin)
             return
         zero = self.engine.optimizer
-        on_device = [OffloadStateTypeEnum.lp_params, OffloadStateTypeEnum.lp_grads]
-        self.engine.offload_states(include=[*on_device, OffloadStateTypeEnum.contiguous_grad_buffer], pin_memory=pin)
+        deepspeeds = [
+            OffloadStateTypeEnum.lp_params,
+            OffloadStateTypeEnum.lp_grads,
+            OffloadStateTypeEnum.contiguous_grad_buffer,
+        ]
+        self.engine.offload_states(include=deepspeeds, pin_memory=pin)
         _move_master_weights_and_moments(zero.fp32_partitioned_groups_flat, zero.optimizer, torch.device("cpu"))
 
     def onload(self) -> None:
