@@ -89,6 +89,22 @@ class TaskConfig(Section):
     """search: at most this many Verifier turns per episode."""
     retrieval_top_k: int = Field(3, ge=1)
     """search: passages returned per query."""
+    retrieval_url: str | None = None
+    """search: base URL of a retrieval service (``drmas serve-retrieval``), e.g.
+    http://drmas-retrieval.drmas.svc.cluster.local:8080. Unset: BM25 in the stage's own
+    process (the embedded default). Served and in-process results are the same for the same
+    corpus, so this (like the other retrieval_* service settings) is not in any cache key."""
+    retrieval_timeout_s: float = Field(60.0, gt=0)
+    """search: seconds one request to the retrieval service may take before it is retried."""
+    retrieval_retries: int = Field(4, ge=0)
+    """search: retries of a request to the retrieval service after a connection error, a
+    timeout, a 5xx or a 429 (with exponential backoff); then the stage fails, naming the URL."""
+    retrieval_backoff_s: float = Field(0.5, ge=0)
+    """search: the first retry's wait; each later retry waits twice as long (at most 30 s)."""
+    retrieval_corpus_hash: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    """search: the corpus hash the retrieval service must report (``GET /health``; the
+    service prints it at start). Unset: computed from the corpus this config names, which
+    means reading the corpus file once per stage."""
     history_length: int = Field(4, ge=0)
     """search: past turns (query and retrieved passages) shown in every prompt."""
     malformed_verdict_passes: bool = True
@@ -101,6 +117,18 @@ class TaskConfig(Section):
     def _known_task(cls, name: str) -> str:
         get_task(name)  # a ValueError that lists the built-in names
         return name
+
+    @field_validator("retrieval_url")
+    @classmethod
+    def _retrieval_url_without_secrets(cls, value: str | None) -> str | None:
+        """The URL is logged and stored with the config: no credentials in it."""
+        if value is None:
+            return value
+        if not re.match(r"^https?://[^/@\s?#]+(/[^@\s?#]*)?$", value):
+            raise ValueError(
+                "must look like http(s)://host:port (a path is allowed), with no credentials, query or fragment in it"
+            )
+        return value
 
     @property
     def orchestra_name(self) -> str:

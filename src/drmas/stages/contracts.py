@@ -33,6 +33,7 @@ from drmas.stages.io import METRICS_FILE
 __all__ = [
     "CONTRACTS",
     "PLACEMENT_FIELDS",
+    "RETRIEVAL_SERVICE_FIELDS",
     "AdvantageContract",
     "CheckpointContract",
     "EvaluateContract",
@@ -43,10 +44,24 @@ __all__ = [
     "settings_label",
 ]
 
-PLACEMENT_FIELDS = ("experiment.name", "store", "tracking", "ray")
+RETRIEVAL_SERVICE_FIELDS = (
+    "task.retrieval_url",
+    "task.retrieval_timeout_s",
+    "task.retrieval_retries",
+    "task.retrieval_backoff_s",
+    "task.retrieval_corpus_hash",
+)
+"""Where the search task's retrieval runs (a service, or in process) and how it is reached.
+A served search returns what the in-process one does for the same corpus, and the client
+refuses a service whose corpus hash is not the config's corpus (``data.corpus`` and the
+generated world's settings, which stay in the keys): these change where passages come
+from, never which."""
+
+PLACEMENT_FIELDS = ("experiment.name", "store", "tracking", "ray", *RETRIEVAL_SERVICE_FIELDS)
 """Where a run's outputs are kept and tracked and where its stages run: they decide where
 an output is, never what it holds, and ``store``/``tracking`` may change when a run is
-resumed. Stages read them; no key holds them."""
+resumed. Stages read them; no key holds them, not even inside a section a stage lists
+(``task`` holds the retrieval service's settings)."""
 
 WORKER_GROUPS = ("agents", "models", "workers", *(f"train.{name}" for name in WORKER_GROUP_FIELDS))
 """What ``config.worker_groups()`` reads: every stage that asks for the worker groups."""
@@ -252,10 +267,20 @@ def _select(resolved: dict[str, Any], dotted: str) -> Any:
     return node
 
 
+def _without_placement(resolved: dict[str, Any]) -> dict[str, Any]:
+    """The resolved config without the placement fields nested in a section that a stage
+    lists (``task.retrieval_url`` in ``task``); top-level ones no contract lists."""
+    for dotted in PLACEMENT_FIELDS:
+        *parents, leaf = dotted.split(".")
+        if parents:
+            _select(resolved, ".".join(parents)).pop(leaf, None)
+    return resolved
+
+
 def cache_key(config: DrmasConfig, store: Store, stage: StageContract) -> str:
     """The key of one call of a stage: its name, its input artifacts' content, the config
-    fields it reads, its plain values and the code version."""
-    resolved = json.loads(config.to_json())
+    fields it reads (placement aside), its plain values and the code version."""
+    resolved = _without_placement(json.loads(config.to_json()))
     payload = {
         "stage": stage.name,
         "config": {field: _select(resolved, field) for field in stage.fields},

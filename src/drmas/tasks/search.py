@@ -10,7 +10,10 @@ first fact names a bridge entity that the second fact needs).
 
 Retrieval is BM25 (``bm25s``) over lower-cased word tokens, with bm25s's English stopword
 list removed and no stemming. An index is built once per corpus and cached in the artifact
-store under ``_cache/bm25/{corpus_hash}``; loading it never unpickles anything.
+store under ``_cache/bm25/{corpus_hash}``; loading it never unpickles anything. At wiki
+scale the index lives in a retrieval service instead (``drmas.tasks.retrieval_service``,
+named by ``task.retrieval_url``): the same BM25, the same results, one index shared by
+every rollout and evaluation.
 
 The reward is Search-R1's exact match: SQuAD normalisation, then equality with any gold
 answer. The warm start's demonstrations play each generated question out against the real
@@ -20,6 +23,7 @@ retriever, one hop's query at a time (``SearchTask.demonstrations``).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -27,9 +31,9 @@ import random
 import re
 import string
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import bm25s
 import numpy as np
@@ -51,13 +55,16 @@ __all__ = [
     "Retriever",
     "SearchOrchestra",
     "SearchTask",
+    "Searcher",
     "cached_retriever",
     "corpus_for",
+    "corpus_hash_for",
     "demonstration_queries",
     "exact_match",
     "format_passages",
     "generate_fact_world",
     "generated_facts",
+    "iter_corpus",
     "load_corpus",
     "load_qa",
     "normalize_answer",
@@ -313,6 +320,18 @@ def corpus_for(data: DataConfig, seed: int) -> list[Passage]:
     return generated_facts(data, seed)[0]
 
 
+def corpus_hash_for(data: DataConfig, seed: int) -> str:
+    """``Retriever.corpus_hash`` of ``corpus_for(data, seed)``; a corpus file is streamed,
+    never held whole (a wiki-scale corpus does not fit a rollout driver's memory)."""
+    if data.corpus:
+        passages = iter_corpus(data.corpus)
+        first = next(passages, None)
+        if first is None:
+            raise DataError(f"{data.corpus}: no passages (the file is empty)")
+        return Retriever.corpus_hash(itertools.chain([first], passages))
+    return Retriever.corpus_hash(generated_facts(data, seed)[0])
+
+
 # --------------------------------------------------------------------------------------
 # Files: corpus and questions
 # --------------------------------------------------------------------------------------
@@ -342,7 +361,15 @@ def load_corpus(path: str) -> list[Passage]:
     A line without an id gets its line number, so ids stay stable when the file is read
     again. Ids must be unique: a search result is reported by id.
     """
-    passages = []
+    passages = list(iter_corpus(path))
+    if not passages:
+        raise DataError(f"{path}: no passages (the file is empty)")
+    return passages
+
+
+def iter_corpus(path: str) -> Iterator[Passage]:
+    """The passages of ``load_corpus``, streamed: what hashing a corpus too large to hold
+    needs (``corpus_hash_for``). An empty file yields nothing."""
     first_line: dict[str, int] = {}
     for number, row in read_jsonl(local_file(path)):
         text = _passage_text(row)
@@ -356,10 +383,7 @@ def load_corpus(path: str) -> list[Passage]:
         if pid in first_line:
             raise DataError(f"{path}: line {number}: duplicate id {pid!r} (first on line {first_line[pid]})")
         first_line[pid] = number
-        passages.append(Passage(pid, text))
-    if not passages:
-        raise DataError(f"{path}: no passages (the file is empty)")
-    return passages
+        yield Passage(pid, text)
 
 
 def _answers(value: Any) -> tuple[str, ...]:
@@ -428,6 +452,15 @@ def _tokens(text: str) -> list[str]:
     return [token for token in _TOKEN.findall(text.lower()) if token not in _STOPWORDS]
 
 
+class Searcher(Protocol):
+    """What the search orchestra and the warm start retrieve through: the in-process
+    ``Retriever``, or ``drmas.tasks.retrieval_service.RetrievalClient`` for a served one."""
+
+    def search(self, queries: list[str], k: int) -> list[list[Passage]]:
+        """The best ``k`` passages for each query, best first."""
+        ...
+
+
 class Retriever:
     """BM25 over a fixed list of passages.
 
@@ -475,8 +508,9 @@ class Retriever:
         return results
 
     @staticmethod
-    def corpus_hash(passages: list[Passage]) -> str:
-        """sha256 of the index format and every (id, text), in order: the cache key."""
+    def corpus_hash(passages: Iterable[Passage]) -> str:
+        """sha256 of the index format and every (id, text), in order: the cache key (and
+        what a retrieval service reports, so that a client can tell it serves its corpus)."""
         digest = hashlib.sha256(INDEX_FORMAT.encode())
         for passage in passages:
             line = json.dumps([passage.pid, passage.text], ensure_ascii=False) + "\n"
@@ -559,7 +593,7 @@ def format_passages(passages: list[Passage]) -> str:
 
 
 def search_demonstrations(
-    questions: list[Question], config: DrmasConfig, retriever: Retriever, rng: np.random.Generator
+    questions: list[Question], config: DrmasConfig, retriever: Searcher, rng: np.random.Generator
 ) -> Demonstrations:
     """(prompt, response) pairs per agent, from episodes played out with the real retriever.
 
@@ -644,6 +678,13 @@ class SearchTask:
         return load_qa(config.data_spec(split), split, config.data, config.experiment.seed)
 
     def tools(self, config: DrmasConfig, store: Store) -> Tools:
+        """The in-process BM25 retriever (cached in the store), or, when
+        ``task.retrieval_url`` is set, a client of that retrieval service (checked on first
+        use to serve the corpus this config names)."""
+        if config.task.retrieval_url:
+            from drmas.tasks.retrieval_service import RetrievalClient  # noqa: PLC0415 (imports this module)
+
+            return Tools(retriever=RetrievalClient.for_config(config))
         return Tools(retriever=cached_retriever(corpus_for(config.data, config.experiment.seed), store))
 
     def corpus(self, config: DrmasConfig) -> list[str]:
