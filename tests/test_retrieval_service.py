@@ -36,12 +36,14 @@ from drmas.infra.layout import stage_path
 from drmas.infra.store import Store
 from drmas.stages.contracts import EvaluateContract, RolloutContract, cache_key
 from drmas.stages.rollout import rollout
+from drmas.tasks import DataError
 from drmas.tasks.retrieval_service import (
     RetrievalClient,
     RetrievalError,
     RetrievalMismatch,
     RetrievalServer,
     RetrievalUnavailable,
+    load_passages,
     main,
     serve,
 )
@@ -78,7 +80,7 @@ def corpus_file(passages: list[Passage], tmp_path_factory: pytest.TempPathFactor
 @contextmanager
 def running(server: ThreadingHTTPServer) -> Iterator[ThreadingHTTPServer]:
     """``server`` answering in a thread of the test until the block ends."""
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
         yield server
@@ -167,6 +169,16 @@ def test_the_command_binds_loopback_by_default_and_names_a_bad_corpus(tmp_path, 
         server.server_close()
     assert main(["--corpus", str(tmp_path / "missing.jsonl"), "--store", str(tmp_path / "store")]) == 1
     assert f"{tmp_path / 'missing.jsonl'}: file not found" in capsys.readouterr().err
+
+
+def test_the_command_serves_the_generated_world_a_run_searches(tmp_path):
+    """``--corpus generated:facts`` with the run's seed and sizes is the run's corpus."""
+    config = search_config(tmp_path)
+    data = config.data
+    served = load_passages("generated:facts", SEED, data.generated_train_size, data.generated_eval_size)
+    assert served == corpus_for(data, SEED)
+    with pytest.raises(DataError, match="no such generated corpus"):
+        load_passages("generated:arithmetic")
 
 
 # --------------------------------------------------------------------------------------

@@ -290,7 +290,7 @@ class RetrievalClient:
         retries: int = 4,
         backoff_s: float = 0.5,
         expected_hash: str | Callable[[], str] | None = None,
-        batch_size: int = 256,
+        batch_size: int = 64,
     ) -> None:
         if not 1 <= batch_size <= MAX_QUERIES:
             raise ValueError(f"batch_size must be from 1 to {MAX_QUERIES}, got {batch_size}")
@@ -469,16 +469,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     or Ctrl-C. Prints one line when ready (URL, passages, corpus hash)."""
     args = _parser().parse_args(argv)
     try:
-        passages = load_passages(args.corpus, args.seed, args.generated_train_size, args.generated_eval_size)
         store = Store(args.store, args.store_endpoint)
+        # No reference to the loaded passages is kept: the server holds its retriever's
+        # (at wiki scale, a second copy would double the service's memory).
+        passages = load_passages(args.corpus, args.seed, args.generated_train_size, args.generated_eval_size)
         server = serve(passages, store, args.host, args.port)
+        del passages
     except (ValueError, OSError, StoreError) as error:
         print(f"drmas serve-retrieval: {error}", file=sys.stderr)
         return 1
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     print(
-        f"drmas serve-retrieval: {server.url} serves {len(passages)} passages of {args.corpus} "
+        f"drmas serve-retrieval: {server.url} serves {len(server.retriever.passages)} passages of {args.corpus} "
         f"(corpus hash {server.corpus_hash})",
         flush=True,
     )
@@ -492,5 +495,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("bm25s").setLevel(logging.WARNING)
     raise SystemExit(main())
