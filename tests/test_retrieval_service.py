@@ -171,6 +171,14 @@ def test_the_command_binds_loopback_by_default_and_names_a_bad_corpus(tmp_path, 
     assert f"{tmp_path / 'missing.jsonl'}: file not found" in capsys.readouterr().err
 
 
+def test_build_only_caches_the_index_and_prints_the_hash_to_pin(tmp_path, corpus_file, passages, capsys):
+    store = tmp_path / "store"
+    assert main(["--corpus", str(corpus_file), "--store", str(store), "--build-only"]) == 0
+    corpus_hash = Retriever.corpus_hash(passages)
+    assert f"corpus hash {corpus_hash}" in capsys.readouterr().out
+    assert Store(str(store)).exists(f"_cache/bm25/{corpus_hash}")
+
+
 def test_the_command_serves_the_generated_world_a_run_searches(tmp_path):
     """``--corpus generated:facts`` with the run's seed and sizes is the run's corpus."""
     config = search_config(tmp_path)

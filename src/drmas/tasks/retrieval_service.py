@@ -457,6 +457,11 @@ def _parser() -> argparse.ArgumentParser:
         "--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}; 0.0.0.0 in a cluster pod)"
     )
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free)")
+    parser.add_argument(
+        "--build-only",
+        action="store_true",
+        help="build (or check) the index cache in the store, print the corpus hash, and exit without serving",
+    )
     generated = parser.add_argument_group("generated:facts only: the run's experiment.seed and data sizes")
     generated.add_argument("--seed", type=int, default=0, help="experiment.seed (default 0)")
     generated.add_argument("--generated-train-size", type=int, default=None, help="data.generated_train_size")
@@ -466,13 +471,21 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``drmas serve-retrieval``: load the corpus and its index, then answer until SIGTERM
-    or Ctrl-C. Prints one line when ready (URL, passages, corpus hash)."""
+    or Ctrl-C. Prints one line when ready (URL, passages, corpus hash). With
+    ``--build-only``, only makes sure the store caches the index (a Kubernetes Job before
+    the Deployment: the first build of a large corpus takes long), and prints the hash to
+    pin as ``task.retrieval_corpus_hash``."""
     args = _parser().parse_args(argv)
     try:
         store = Store(args.store, args.store_endpoint)
         # No reference to the loaded passages is kept: the server holds its retriever's
         # (at wiki scale, a second copy would double the service's memory).
         passages = load_passages(args.corpus, args.seed, args.generated_train_size, args.generated_eval_size)
+        if args.build_only:
+            retriever = cached_retriever(passages, store)
+            print(f"drmas serve-retrieval: {len(retriever.passages)} passages of {args.corpus} indexed in {store.root}")
+            print(f"corpus hash {Retriever.corpus_hash(retriever.passages)}", flush=True)
+            return 0
         server = serve(passages, store, args.host, args.port)
         del passages
     except (ValueError, OSError, StoreError) as error:
