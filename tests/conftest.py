@@ -1,5 +1,5 @@
 """Shared fixtures: a real S3 server (SeaweedFS on 127.0.0.1), a store on each backend, a
-local Ray, and one real trained run on S3 that several modules read (each copies it before
+real MLflow server, a local Ray, and one real trained run on S3 that several modules read (each copies it before
 it changes anything).
 
 The server is started once per test session by this fixture and stopped by its PID; its
@@ -21,6 +21,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 from helpers import ROOT, TINY_OVERRIDES
+from localmlflow import MlflowServer
 from locals3 import LocalS3Server
 
 from drmas.infra.store import Store
@@ -58,6 +59,20 @@ def store(request: pytest.FixtureRequest, tmp_path) -> Store:
         return Store(str(tmp_path / "store"))
     server = request.getfixturevalue("s3_env")
     return Store(f"s3://{S3_BUCKET}/{uuid.uuid4().hex}", server.endpoint)
+
+
+@pytest.fixture(scope="session")
+def mlflow_service(tmp_path_factory: pytest.TempPathFactory):
+    """One MLflow server for the session (each start costs 10-30 s here); killed at the end."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def mlflow_server(mlflow_service: MlflowServer) -> MlflowServer:
+    """The session's MLflow server, running: started again when a test before killed it."""
+    return mlflow_service if mlflow_service.process is not None else mlflow_service.start()
 
 
 @pytest.fixture(scope="session")

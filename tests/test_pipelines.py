@@ -1,6 +1,7 @@
 """The Kubeflow pipelines: compiled from configs, placed on Kubernetes, run with kfp.local
-(every stage, then a rerun that recomputes one forced stage and nothing else), and
-submitted through kfp.Client to a stand-in of the KFP API server."""
+(every stage, then a rerun that recomputes one forced stage and nothing else; a run
+tracked in MLflow like the same run embedded), and submitted through kfp.Client to a
+stand-in of the KFP API server."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
@@ -16,6 +18,8 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 import yaml
 from helpers import TINY_OVERRIDES
+from kfp import dsl
+from localmlflow import MlflowServer
 
 import drmas
 from drmas.cli import main
@@ -26,6 +30,9 @@ from drmas_kfp.pipelines.platform import S3_SECRET
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_STAGES = {"warmstart", "rollout", "update", "evaluate"}
+TRACKING = ("track_start", "track", "track_end")
+TRACKED = ("track-start", "track", "track-end")
+"""The tracking steps' component names, and their kfp.local task names in a one-iteration run."""
 # (config, overrides): CPU tiny configs, a single shared worker group, and the GPU recipe
 # whose rollout joins a KubeRay cluster (ray.address).
 CONFIGS = {
@@ -96,6 +103,11 @@ def test_every_pipeline_compiles_loads_back_and_pins_the_images(tmp_path, name, 
         "checkpoint": last - first,
         "evaluate": due + before,
     }
+    assert {stage: sum(stage_of(t) == stage for t in tasks.values()) for stage in TRACKING} == {
+        "track_start": 1,
+        "track": last - first + before,
+        "track_end": 1,
+    }
     assert sum(stage_of(t) == "importer" for t in tasks.values()) == int(start > 0)
     assert sum(stage_of(t) == "warmstart" for t in tasks.values()) == int(start == 0)
     # The iterations are chained: each rollout reads the previous iteration's checkpoint.
@@ -157,7 +169,7 @@ def test_force_turns_off_caching_for_the_named_tasks_only(tmp_path):
     spec, _ = compiled(tmp_path, "train", config, force=["advantage@1", "update/verifier", "evaluate@-1"])
     forced = set()
     for task in spec["root"]["dag"]["tasks"].values():
-        force = task["inputs"]["parameters"]["force"]["runtimeValue"]["constant"]
+        force = task["inputs"]["parameters"].get("force", {}).get("runtimeValue", {}).get("constant", False)
         assert task.get("cachingOptions", {}).get("enableCache", False) is (not force)
         if force:
             forced.add(task["taskInfo"]["name"])
@@ -168,6 +180,36 @@ def test_force_turns_off_caching_for_the_named_tasks_only(tmp_path):
         "update verifier 2",
         "evaluate before training",
     }
+
+
+def test_the_train_pipeline_logs_each_iteration_to_mlflow_after_it_is_stored(tmp_path):
+    """The tracking steps run on the CPU image. The start step gets the KFP run id (KFP's
+    placeholder). Each iteration's step waits for that iteration's checkpoint and, when
+    due, its evaluation, and for the step before it: MLflow gets the steps in order. The
+    end step follows the last."""
+    config = config_of("math_tiny")
+    spec, _ = compiled(tmp_path, "train", config)
+    tasks = {task["taskInfo"]["name"]: (key, task) for key, task in spec["root"]["dag"]["tasks"].items()}
+    tracked = [name for name in tasks if name.startswith("mlflow: ")]
+    assert sorted(tracked) == sorted(
+        ["mlflow: start", "mlflow: before training", *(f"mlflow: iteration {i}" for i in range(3)), "mlflow: end"]
+    )
+    for name in tracked:
+        label = tasks[name][1]["componentRef"]["name"].replace("comp-", "exec-")
+        assert spec["deploymentSpec"]["executors"][label]["container"]["image"] == components.CPU_IMAGE
+    start = tasks["mlflow: start"][1]["inputs"]["parameters"]
+    assert start["kfp_run_id"]["runtimeValue"]["constant"] == dsl.PIPELINE_JOB_ID_PLACEHOLDER
+    assert start["first_iteration"]["runtimeValue"]["constant"] == 0
+
+    def after(name: str) -> set[str]:
+        keys = {key: task_name for task_name, (key, _) in tasks.items()}
+        return {keys[key] for key in tasks[name][1].get("dependentTasks", [])}
+
+    assert after("mlflow: before training") == {"mlflow: start", "evaluate before training"}
+    assert after("mlflow: iteration 0") == {"mlflow: before training", "checkpoint 0"}
+    assert after("mlflow: iteration 1") == {"mlflow: iteration 0", "checkpoint 1", "evaluate 1"}
+    assert after("mlflow: iteration 2") == {"mlflow: iteration 1", "checkpoint 2", "evaluate 2"}
+    assert after("mlflow: end") == {"mlflow: iteration 2", "checkpoint 2"}
 
 
 def test_updates_whose_optimizer_state_the_pool_holds_are_never_skipped_by_kfp(tmp_path):
@@ -270,18 +312,20 @@ def via_kfp_local(tmp_path: Path, settings: list[str], *args: str) -> str:
     done = subprocess.run(
         command, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900
     )
-    output = ANSI.sub("", done.stdout + done.stderr)
-    assert done.returncode == 0, output[-6000:]
-    return output
+    console = ANSI.sub("", done.stdout + done.stderr)
+    assert done.returncode == 0, console[-6000:]
+    [log] = re.findall(r"^kfp.local's log: (.+)$", console, re.M)
+    return console + LOG_MARK + (tmp_path / log).read_text()
+
+
+LOG_MARK = "\n--- kfp.local's log ---\n"
 
 
 def kfp_local(tmp_path: Path, *args: str) -> tuple[str, dict[str, str]]:
-    """The rl_iteration pipeline of run 'k' via kfp-local; its output and, per KFP task,
-    'executed' or 'cache hit'."""
+    """The rl_iteration pipeline of run 'k' via kfp-local; its console output followed by
+    kfp.local's log and, per KFP task, 'executed' or 'cache hit' (as the console says)."""
     output = via_kfp_local(tmp_path, SMALL, "--pipeline", "rl_iteration", "--run-id", "k", *args)
-    tasks = {name: "executed" for name in re.findall(r"Executing task '([\w-]+)'", output)}
-    tasks |= {name: "cache hit" for name in re.findall(r"Task ([\w-]+) cache hit", output)}
-    return output, tasks
+    return output, dict(re.findall(r"^task ([\w.-]+): (executed|cache hit)", output, re.M))
 
 
 def stage_lines(output: str) -> dict[str, str]:
@@ -306,7 +350,7 @@ def test_kfp_local_runs_every_stage_then_recomputes_only_the_forced_one(tmp_path
     output, tasks = kfp_local(tmp_path)
     first_run = time.monotonic() - started
     assert set(tasks.values()) == {"executed"}
-    assert set(tasks) == {"warmstart", "rollout", "advantage", "update", "update-2", "checkpoint", "evaluate"}
+    assert set(tasks) == {"warmstart", "rollout", "advantage", "update", "update-2", "checkpoint", "evaluate", *TRACKED}
     assert set(stage_lines(output).values()) == {"computed"}
     # The run's pool outlives its tasks: the rollout starts it, the updates and the
     # evaluation (thin Ray drivers) find its workers warm.
@@ -349,6 +393,7 @@ def test_kfp_local_runs_every_stage_then_recomputes_only_the_forced_one(tmp_path
         "update-2": "executed",
         "checkpoint": "executed",
         "evaluate": "executed",
+        **dict.fromkeys(TRACKED, "executed"),  # the start always (a new KFP run id), the others: a new checkpoint
     }
     assert stage_lines(output) == {
         "advantage iter 0": "computed",
@@ -363,24 +408,132 @@ def test_kfp_local_runs_every_stage_then_recomputes_only_the_forced_one(tmp_path
     assert (run / "iter-000000" / "advantage" / "batch.parquet").read_bytes() == batch
 
     output, tasks = kfp_local(tmp_path)
-    assert set(tasks.values()) == {"cache hit"} and len(tasks) == 7
+    assert tasks.pop("track-start") == "executed"  # it tags the MLflow run with each KFP run's id
+    assert set(tasks.values()) == {"cache hit"} and len(tasks) == 9
     assert manifests(run) == after
     print(f"kfp.local: first run {first_run:.0f} s, forced rerun {forced_run:.0f} s")
 
 
+@dataclass
+class TrackedRuns:
+    """The same 3-iteration config run with kfp.local and embedded, tracked by one server."""
+
+    folder: Path
+    output: str
+    """kfp-local's console output, then kfp.local's log."""
+    server: MlflowServer
+
+
+@pytest.fixture(scope="module")
+def tracked_runs(tmp_path_factory: pytest.TempPathFactory, mlflow_service: MlflowServer) -> TrackedRuns:
+    server = mlflow_service if mlflow_service.process is not None else mlflow_service.start()
+    folder = tmp_path_factory.mktemp("tracked")
+    settings = [
+        *TINY_OVERRIDES,
+        "experiment.iterations=3",
+        "eval.every=2",
+        "eval.max_questions=2",
+        "eval.k=2",
+        "warmstart.steps=0",
+        f"tracking.uri={server.uri}",
+        f"tracking.experiment={TRACKED_EXPERIMENT}",
+    ]
+    (folder / "kfp").mkdir()
+    output = via_kfp_local(folder / "kfp", settings, "--run-id", "kfp")
+    (folder / "embedded").mkdir()
+    command = [str(Path(sys.executable).parent / "drmas"), "run", str(ROOT / "configs" / "math_tiny.yaml"), *settings]
+    command += [f"store.root={folder / 'embedded' / 'runs'}", "--run-id", "embedded"]
+    done = subprocess.run(command, cwd=folder / "embedded", capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return TrackedRuns(folder, output, server)
+
+
+TRACKED_EXPERIMENT = "kfp-and-embedded"
+
+
 @pytest.mark.slow
-def test_a_three_iteration_kfp_local_run_starts_its_pool_once(tmp_path):
+def test_a_three_iteration_kfp_local_run_starts_its_pool_once(tracked_runs: TrackedRuns):
     """`drmas run --via kfp-local` of the train pipeline over 3 iterations: the first task
     that needs the pool starts its workers (one per worker group and slot), and every later
-    one (the rollouts and the updates of every iteration, each a process of its own) finds
-    them warm; none starts another."""
-    settings = [*TINY_OVERRIDES, "experiment.iterations=3", "eval.every=0", "warmstart.steps=0"]
-    output = via_kfp_local(tmp_path, settings, "--run-id", "three")
-    pools = re.findall(r"drmas: pool (started|found warm): (\d+) worker\(s\) on 1 slot\(s\), (\d+) started", output)
-    assert [found for found, _, _ in pools] == ["started", *["found warm"] * (3 * 3 - 1)]  # 3 rollouts, 6 updates
+    one (the rollouts, the updates and the evaluations of every iteration, each a process
+    of its own) finds them warm; none starts another."""
+    pools = re.findall(
+        r"drmas: pool (started|found warm): (\d+) worker\(s\) on 1 slot\(s\), (\d+) started", tracked_runs.output
+    )
+    # 3 rollouts, 6 updates, 3 evaluations (before training, after iterations 1 and 2)
+    assert [found for found, _, _ in pools] == ["started", *["found warm"] * (3 + 6 + 3 - 1)]
     assert {int(workers) for _, workers, _ in pools} == {2}
     assert sum(int(started) for _, _, started in pools) == 2
-    assert (tmp_path / "runs" / "math-tiny" / "three" / "iter-000002" / "checkpoint" / "_MANIFEST.json").is_file()
+    assert (tracked_runs.folder / "kfp" / "runs" / "math-tiny" / "kfp" / "iter-000002" / "checkpoint").is_dir()
+
+
+@pytest.mark.slow
+def test_a_kfp_local_run_is_one_mlflow_run_like_an_embedded_one(tracked_runs: TrackedRuns):
+    """The same config run embedded and via kfp-local against one MLflow server: two MLflow
+    runs with the same params (where the runs are stored aside), the same metric keys with
+    the same steps, the same lineage, episodes tables, datasets and report figures, and a
+    registered model version per worker group each; the Kubeflow one is tagged with its KFP
+    run id and image, and its first and last steps link to it. The console shows a line per
+    task and the embedded runner's summary; kfp.local's own output is in its log file."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracked_runs.server.uri)
+    experiment = client.get_experiment_by_name(TRACKED_EXPERIMENT)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    runs = {run.data.tags["drmas.run_id"]: run for run in client.search_runs([experiment.experiment_id])}
+    assert set(runs) == {"kfp", "embedded"}
+    kfp, embedded = runs["kfp"], runs["embedded"]
+    assert kfp.info.status == embedded.info.status == "FINISHED"
+    assert kfp.data.tags["kfp.run_id"] and kfp.data.tags["drmas.image"] == components.GPU_IMAGE
+    assert {k: v for k, v in kfp.data.params.items() if k != "store.root"} == {
+        k: v for k, v in embedded.data.params.items() if k != "store.root"
+    }
+
+    def steps(run) -> dict[str, list[int]]:
+        return {
+            key: sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) for key in run.data.metrics
+        }
+
+    kfp_steps, embedded_steps = steps(kfp), steps(embedded)
+    assert kfp_steps == embedded_steps
+    assert kfp_steps["reward/mean"] == [1, 2, 3] and kfp_steps["eval/avg_at_2"] == [0, 2, 3]
+    assert len(kfp_steps) > 30  # rewards, advantages, worker-group statistics, times, evaluation
+
+    def tags(run, prefix: str) -> set[str]:
+        return {key for key in run.data.tags if key.startswith(prefix)}
+
+    assert tags(kfp, "lineage.") == tags(embedded, "lineage.") and "lineage.checkpoint" in tags(kfp, "lineage.")
+
+    def artifacts(run, folder: str) -> list[str]:
+        return sorted(a.path for a in client.list_artifacts(run.info.run_id, folder))
+
+    for folder in ("report", "lineage", "episodes"):
+        assert artifacts(kfp, folder) == [
+            p.replace(embedded.info.run_id, kfp.info.run_id) for p in artifacts(embedded, folder)
+        ]
+    assert "report/reward.png" in artifacts(kfp, "report")
+    assert len(artifacts(kfp, "episodes")) == 3
+    datasets = {run_id: sorted(d.dataset.name for d in runs[run_id].inputs.dataset_inputs) for run_id in runs}
+    assert datasets["kfp"] == datasets["embedded"] and "trajectories-iter-000002" in datasets["kfp"]
+    for run in (kfp, embedded):
+        versions = client.search_model_versions(f"run_id='{run.info.run_id}'")
+        assert sorted(v.name for v in versions) == [f"{TRACKED_EXPERIMENT}-solver", f"{TRACKED_EXPERIMENT}-verifier"]
+
+    link = f"{tracked_runs.server.uri}/#/experiments/{experiment.experiment_id}/runs/{kfp.info.run_id}"
+    pages = {
+        step: next((tracked_runs.folder / "kfp" / ".cache" / "kfp-local").glob(f"*/{step}/mlflow")).read_text()
+        for step in ("track-start", "track-end")
+    }
+    assert all(link in page for page in pages.values())
+    assert "| before |" in pages["track-end"] and "| 2 |" in pages["track-end"]
+
+    console = tracked_runs.output.split(LOG_MARK)[0]
+    assert "config_json" not in console and "executor" not in console.lower()
+    task_lines = re.findall(r"^task ([\w.-]+): executed", console, re.M)
+    assert len(task_lines) == 3 + 3 + 6 + 3 + 3 + 3 + 2  # rollouts, advantages, updates, checkpoints, evals, tracking
+    assert len(console.splitlines()) < len(task_lines) + 20
+    for line in ("iter 0: reward", "iter 2: reward", "eval avg@2", "report: ", "mlflow: ", "checkpoint: "):
+        assert line in console, line
 
 
 # --------------------------------------------------------------------------------------

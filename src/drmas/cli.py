@@ -337,7 +337,8 @@ def _config(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from drmas.infra.store import Store  # noqa: PLC0415
-    from drmas.runner import open_run, summary_table, train  # noqa: PLC0415
+    from drmas.runner import open_run, train  # noqa: PLC0415
+    from drmas.stages.track import summary_table  # noqa: PLC0415
 
     config, run_id = _start_run(args)
     if (refused := _refuse_unless_it_fits(args.command, config)) is not None:
@@ -693,22 +694,60 @@ def _run_kfp_local(args: argparse.Namespace) -> int:
     if built is None:
         return 2
     func, arguments = built
-    from drmas_kfp.pipelines.local import DEFAULT_ROOT, run_local  # noqa: PLC0415
+    from drmas_kfp.pipelines.local import DEFAULT_ROOT, TaskLog, run_local  # noqa: PLC0415
 
     print(
         f"run {run_id}: the {args.pipeline} pipeline {func.name} with kfp.local (outputs and cache in {DEFAULT_ROOT})"
     )
+    log = TaskLog(DEFAULT_ROOT / "logs" / f"{run_id}-{args.pipeline}-{time.strftime('%Y%m%d-%H%M%S')}.log", sys.stdout)
     try:
-        output = run_local(func, arguments, config, DEFAULT_ROOT)
+        output = run_local(func, arguments, config, DEFAULT_ROOT, log)
     except RuntimeError as error:
-        return _fail("run", f"the pipeline failed: {error}")
+        return _fail("run", f"the pipeline failed: {error}; kfp.local's log: {log.path}")
     except KeyboardInterrupt:
         return _fail(
             "run", f"interrupted; run the same command again to continue run {run_id} (finished tasks are cached)", 130
         )
+    finally:
+        log.close()
+    if args.pipeline != "evaluate":
+        _print_pipeline_summary(args, config, run_id)
     where = output.metadata.get("store_uri", output.uri) if output is not None else ""
     print(f"{'results' if args.pipeline == 'evaluate' else 'checkpoint'}: {where}")
+    print(f"kfp.local's log: {log.path}")
     return 0
+
+
+def _print_pipeline_summary(args: argparse.Namespace, config: DrmasConfig, run_id: str) -> None:
+    """What the embedded runner prints, from what the pipeline stored: a line per iteration
+    it ran, the before/after table, and where the report and the MLflow run are."""
+    import json  # noqa: PLC0415
+
+    from drmas.analysis.report import run_history  # noqa: PLC0415
+    from drmas.infra.layout import run_path  # noqa: PLC0415
+    from drmas.infra.store import Store  # noqa: PLC0415
+    from drmas.stages.track import TRACKING_FILE, RunSummary, summary_line, summary_table  # noqa: PLC0415
+
+    store = Store.from_config(config.store)
+    steps = dict(run_history(config, store, run_id))
+    first = args.start_iteration
+    last = (
+        first + 1
+        if args.pipeline == "rl_iteration"
+        else min(config.experiment.iterations, first + (args.iterations or config.experiment.iterations))
+    )
+    ran = [i for i in range(first, last) if i + 1 in steps]
+    for i in ran:
+        print(summary_line(i, steps[i + 1], config.eval.k))
+    if not ran:
+        return
+    before = steps.get(0, {}) if first == 0 else {}
+    if table := summary_table(RunSummary(run_id, len(ran), ran[-1], steps[ran[-1] + 1], before), config.eval.k):
+        print(table)
+    report = f"{run_path(config.experiment.name, run_id)}/report"
+    if store.exists(report) and TRACKING_FILE in store.open(report).files:
+        tracking = json.loads(store.open(report).read_bytes(TRACKING_FILE))
+        print(f"report: {store.uri(report)}/report.md\nmlflow: {tracking['uri']}")
 
 
 def _print_worker_groups(config: DrmasConfig, file: typing.TextIO | None = None) -> None:

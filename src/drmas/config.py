@@ -447,8 +447,12 @@ class TrackingConfig(Section):
     ``mlartifacts/``), or ``./mlflow.db`` when the store is on S3."""
     experiment: str | None = None
     """MLflow experiment name; unset: experiment.name."""
+    ui_url: str | None = None
+    """Where people open the MLflow UI (an Ingress, a port-forward), for the links a
+    Kubeflow run shows in its steps; unset: ``uri`` (an in-cluster address a browser
+    outside the cluster may not reach)."""
 
-    @field_validator("uri")
+    @field_validator("uri", "ui_url")
     @classmethod
     def _uri_without_credentials(cls, value: str | None) -> str | None:
         """The URI is logged and stored with the config: a password in it would leak."""

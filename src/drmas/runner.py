@@ -12,16 +12,13 @@ lets ``rerun`` recompute a single stage.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from drmas.analysis.report import run_history, write_report
 from drmas.config import ConfigError, DrmasConfig
 from drmas.generation.pool import PoolOnDemand
 from drmas.generation.workers import PolicyRef
@@ -42,41 +39,19 @@ from drmas.stages.contracts import (
 )
 from drmas.stages.evaluate import evaluate
 from drmas.stages.policies import init_policies
-from drmas.stages.rollout import rollout, task_questions
+from drmas.stages.rollout import rollout
+from drmas.stages.track import RunSummary, eval_line, finish_run, log_iteration, log_question_sets, summary_line
 from drmas.stages.update import OptimizerStateLost, update
 from drmas.stages.warmstart import warmstart
 
-__all__ = ["IterationResult", "RunSummary", "open_run", "rerun", "run_iteration", "summary_table", "train"]
+__all__ = ["IterationResult", "open_run", "rerun", "run_iteration", "train"]
 
 log = logging.getLogger("drmas")
 
 
-@dataclass
-class RunSummary:
-    run_id: str
-    iterations_run: int
-    last_iteration: int
-    metrics: dict[str, float]
-    before: dict[str, float] = field(default_factory=dict)
-    """Evaluation of the starting policies (empty when the run was resumed or has no eval)."""
-    tracking: str = ""
-    checkpoint: str = ""
-    report: str = ""
-
-
-SAMPLE_CALLS = 16
-"""Agent calls per iteration shown in MLflow's episodes table."""
 MAX_ROLLBACKS = 3
 """How often a run goes back to its last stored optimizer state (its pool lost one held
 in memory) before it gives up."""
-
-
-def _sample_calls(store: Store, rollout_path: str) -> dict[str, list]:
-    table = store.open(rollout_path).read_table("trajectories.parquet").slice(0, SAMPLE_CALLS)
-    return {
-        name: table[name].to_pylist()
-        for name in ("traj_uid", "env_step", "agent", "response_text", "is_valid", "reward")
-    }
 
 
 def open_run(config: DrmasConfig, store: Store, run_id: str, resume: bool) -> DrmasConfig:
@@ -250,7 +225,7 @@ def train(
     last_checkpoint = ""
     try:
         if start.next_iteration == 0:
-            _log_question_sets(config, tracker)
+            log_question_sets(config, tracker)
         initial = starting_policies(config, store, run_id)
         policies = initial if start.next_iteration == 0 else start.policies
         optims = start.optims
@@ -264,7 +239,7 @@ def train(
                     else evaluate(config, store, path, initial, pool(), overwrite=True, cache_key=key).metrics
                 )
                 tracker.log_metrics(before, step=0)
-                log.info("before training: %s", _eval_line(before, config.eval.k))
+                log.info("before training: %s", eval_line(before, config.eval.k))
             i, rollbacks = start.next_iteration, 0
             while i < total:
                 try:
@@ -284,69 +259,17 @@ def train(
                     policies = initial if i == 0 else back.policies
                     continue
                 policies, optims, metrics = result.policies, result.optims, result.metrics
-                tracker.log_metrics(metrics, step=i + 1)
-                tracker.log_lineage(i, {name: store.uri(path) for name, path in result.stages.items()})
-                tracker.log_episodes(i, _sample_calls(store, result.stages["rollout"]))
-                rollout_path = result.stages["rollout"]
-                tracker.log_dataset(
-                    f"trajectories-iter-{i:06d}", store.uri(rollout_path), store.fingerprint(rollout_path), "rollout"
-                )
+                log_iteration(tracker, store, i, metrics, result.stages)
                 last_checkpoint = store.uri(result.stages["checkpoint"])
-                log.info(_summary_line(i, metrics, config.eval.k))
+                log.info(summary_line(i, metrics, config.eval.k))
                 i += 1
             pool.release()  # the run is complete: its pool goes
     except BaseException:
         tracker.finish("KILLED")
         raise
     summary = RunSummary(run_id, total - start.next_iteration, total - 1, metrics, before, tracker.url, last_checkpoint)
-    summary.report = _report(config, store, run_id, tracker, summary)
-    tracker.register_policies({wg: store.uri(ref.artifact) for wg, ref in policies.items()}, total - 1)
-    tracker.finish()  # it reports what MLflow lacks, if anything
+    finish_run(config, store, run_id, tracker, summary, {wg: ref.artifact for wg, ref in policies.items()})
     return summary
-
-
-def _log_question_sets(config: DrmasConfig, tracker) -> None:
-    """The train and eval question sets as MLflow dataset inputs (source and digest)."""
-    for split, context in (("train", "training"), ("eval", "evaluation")):
-        questions = task_questions(config, split)
-        digest = hashlib.sha256(
-            "\n".join(f"{q.qid}\t{q.question}\t{q.answers}" for q in questions).encode()
-        ).hexdigest()
-        tracker.log_dataset(
-            f"{config.task.name}-{split}", config.data_spec(split), digest, context, rows=len(questions)
-        )
-
-
-def _report(config: DrmasConfig, store: Store, run_id: str, tracker, summary: RunSummary) -> str:
-    """Figures and report.md from the run's stored metrics, into the store and MLflow."""
-    path = f"{run_path(config.experiment.name, run_id)}/report"
-    with tempfile.TemporaryDirectory() as scratch:
-        folder = Path(scratch) / "report"
-        table = summary_table(summary, config.eval.k)
-        files = write_report(config, run_history(config, store, run_id), folder, table)
-        with store.writer(path, overwrite=True, meta={"stage": "report"}) as out:
-            out.put_dir(folder, "")
-        tracker.log_files(files, "report")
-    return store.uri(path)
-
-
-def summary_table(summary: RunSummary, k: int) -> str:
-    """Before and after, side by side: eval success and each agent's output validity
-    (empty when the run has no evaluation)."""
-    if not summary.before and not any(key.startswith("eval/") for key in summary.metrics):
-        return ""
-    rows = [(f"eval avg@{k}", f"eval/avg_at_{k}"), (f"eval pass@{k}", f"eval/pass_at_{k}")]
-    agents = sorted(
-        {key.split("/")[2] for key in summary.metrics if key.startswith("eval/agent/") and key.endswith("/valid_rate")}
-    )
-    rows += [(f"{agent} valid outputs", f"eval/agent/{agent}/valid_rate") for agent in agents]
-    lines = [f"{'':24} {'before':>8} {'after':>8}"]
-    for label, key in rows:
-        first, last = summary.before.get(key), summary.metrics.get(key)
-        lines.append(
-            f"{label:24} {'' if first is None else f'{first:8.3f}':>8} {'' if last is None else f'{last:8.3f}':>8}"
-        )
-    return "\n".join(lines)
 
 
 @_holding_the_run
@@ -375,20 +298,3 @@ def rerun(
     with PoolOnDemand(config, store, cache_dir, run=(experiment, run_id)) as pool:
         force = {f"policy/{wg}" for wg in groups} if stage_name == "update" else {stage_name}
         return run_iteration(config, store, run_id, iteration, policies, optims, initial, pool, force=frozenset(force))
-
-
-def _eval_line(metrics: dict[str, float], k: int) -> str:
-    return (
-        f"eval avg@{k} {metrics.get(f'eval/avg_at_{k}', float('nan')):.3f} "
-        f"pass@{k} {metrics.get(f'eval/pass_at_{k}', float('nan')):.3f}"
-    )
-
-
-def _summary_line(iteration: int, metrics: dict[str, float], k: int) -> str:
-    agents = sorted({key.split("/")[1] for key in metrics if key.startswith("agent/") and key.endswith("/reward_mean")})
-    per_agent = " ".join(f"{a}={metrics[f'agent/{a}/reward_mean']:.3f}" for a in agents)
-    return (
-        f"iter {iteration}: reward {metrics.get('reward/mean', float('nan')):.3f} [{per_agent}] "
-        f"rollout {metrics.get('time/rollout', 0):.1f}s iteration {metrics['time/iteration']:.1f}s"
-        + (f" | {_eval_line(metrics, k)}" if f"eval/avg_at_{k}" in metrics else "")
-    )

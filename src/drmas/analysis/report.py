@@ -1,6 +1,7 @@
 """The run report: curves a person would rather look at than read, built from the store.
 
     run_history(config, store, run_id) -> [(step, metrics)]      step 0 = before training
+    iteration_metrics(config, store, run_id, i) -> metrics | None
     write_report(config, history, out_dir, summary_text) -> [files]
 
 Every figure comes from the metrics that the checkpoints and the evaluation before training
@@ -26,7 +27,7 @@ from drmas.config import DrmasConfig
 from drmas.infra.layout import run_path, stage_path
 from drmas.infra.store import Store
 
-__all__ = ["History", "run_history", "series", "write_report"]
+__all__ = ["History", "iteration_metrics", "run_history", "series", "write_report"]
 
 History = list[tuple[int, dict[str, float]]]
 
@@ -34,21 +35,30 @@ History = list[tuple[int, dict[str, float]]]
 def run_history(config: DrmasConfig, store: Store, run_id: str) -> History:
     """(step, metrics) for the evaluation before training (step 0, when there is one) and
     every checkpointed iteration (step i + 1, with its evaluation when one ran), in order."""
-    experiment = config.experiment.name
     history: History = []
-    before = f"{run_path(experiment, run_id)}/init/evaluate"
+    before = f"{run_path(config.experiment.name, run_id)}/init/evaluate"
     if store.exists(before):
         history.append((0, store.open(before).read_json("metrics.json")))
     for i in range(config.experiment.iterations):
-        path = stage_path(experiment, run_id, i, "checkpoint")
-        if not store.exists(path):
+        metrics = iteration_metrics(config, store, run_id, i)
+        if metrics is None:
             break
-        metrics = store.open(path).read_json("metrics.json")
-        evaluation = stage_path(experiment, run_id, i, "evaluate")
-        if store.exists(evaluation):  # a Kubeflow run checkpoints before it evaluates
-            metrics = {**store.open(evaluation).read_json("metrics.json"), **metrics}
         history.append((i + 1, metrics))
     return history
+
+
+def iteration_metrics(config: DrmasConfig, store: Store, run_id: str, i: int) -> dict[str, float] | None:
+    """The metrics of iteration ``i``, with its evaluation's when one ran; None when it has
+    no checkpoint."""
+    experiment = config.experiment.name
+    path = stage_path(experiment, run_id, i, "checkpoint")
+    if not store.exists(path):
+        return None
+    metrics = store.open(path).read_json("metrics.json")
+    evaluation = stage_path(experiment, run_id, i, "evaluate")
+    if store.exists(evaluation):  # a Kubeflow run checkpoints before it evaluates
+        metrics = {**store.open(evaluation).read_json("metrics.json"), **metrics}
+    return metrics
 
 
 def series(history: History, key: str) -> tuple[list[int], list[float]]:

@@ -195,6 +195,7 @@ class Tracker:
         *,
         cooldown_s: float = FIRST_COOLDOWN_S,
         max_pending: int = MAX_PENDING,
+        tags: dict[str, str] | None = None,
     ) -> None:
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         import mlflow  # noqa: PLC0415
@@ -227,6 +228,8 @@ class Tracker:
             ) from error
         if created:
             self._log_params(config.flat_params())
+        if tags:
+            self._set_tags(tags)
 
     def _open_run(self, run_id: str, store_root: str, config_path: str | None) -> bool:
         """Find the run of ``run_id`` (a resumed run) or create it; True when created."""
@@ -259,6 +262,14 @@ class Tracker:
     @property
     def url(self) -> str:
         return f"{_redacted(self.uri)} (experiment {self.experiment_id}, run {self.mlflow_run_id})"
+
+    def link(self, ui: str | None = None) -> str:
+        """The run's page in the MLflow UI at ``ui`` (default: the tracking server), or, for
+        a sqlite store, how to open it."""
+        base = (ui or self.uri).rstrip("/")
+        if not base.startswith(("http://", "https://")):
+            return f"{self.url}; open it with: mlflow ui --backend-store-uri {_redacted(self.uri)}"
+        return f"{_redacted(base)}/#/experiments/{self.experiment_id}/runs/{self.mlflow_run_id}"
 
     # --- delivery: buffer, circuit breaker, accounting -------------------------------------
 
@@ -381,6 +392,15 @@ class Tracker:
 
     # --- what the runner logs ------------------------------------------------------------------
 
+    @_never_raises("tags")
+    def _set_tags(self, tags: dict[str, str]) -> None:
+        """Tags set on every opening (a Kubeflow run's id: each pipeline run that continues
+        the drmas run names itself)."""
+        from mlflow.entities import RunTag  # noqa: PLC0415
+
+        items = [RunTag(key, value) for key, value in sorted(tags.items())]
+        self._submit(_Call("tags", lambda client: client.log_batch(self.mlflow_run_id, tags=items)))
+
     @_never_raises("params")
     def _log_params(self, params: dict[str, str]) -> None:
         from mlflow.entities import Param  # noqa: PLC0415
@@ -481,5 +501,14 @@ class Tracker:
         """End the MLflow run after one last try at everything waiting (whatever the
         cool-down; bounded like any call), and log the gap report if there is one."""
         self._submit(_Call("status", lambda client: client.set_terminated(self.mlflow_run_id, status)), force=True)
+        self._report_gaps()
+
+    def close(self) -> None:
+        """One last try at everything waiting, leaving the MLflow run open: a Kubeflow
+        step logs its part of a run that later steps continue."""
+        self._flush(force=True)
+        self._report_gaps()
+
+    def _report_gaps(self) -> None:
         if report := self.gap_report():
             log.warning("tracking: %s", report)

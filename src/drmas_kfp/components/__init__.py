@@ -7,6 +7,9 @@
     checkpoint       update_0..update_7 -> checkpoint (Model: the next policy set), metrics
     evaluate         policies -> results (Dataset), metrics
     load_checkpoint  checkpoint (imported by URI) -> policies (Model)
+    track_start      -> mlflow (Markdown)        the run's MLflow run opened, and linked
+    track            checkpoint, evaluation ->   one iteration logged to MLflow
+    track_end        checkpoint -> mlflow (Markdown)  report, registered policies, figures
 
 Each is a lightweight component on the drmas image of this version (``images.py``) with
 ``install_kfp_package=False``: its module imports only the standard library and kfp, and
@@ -50,6 +53,7 @@ from drmas_kfp.components.evaluate import evaluate
 from drmas_kfp.components.images import CPU_IMAGE, GPU_IMAGE, IMAGES
 from drmas_kfp.components.load_checkpoint import load_checkpoint
 from drmas_kfp.components.rollout import rollout
+from drmas_kfp.components.track import track, track_end, track_start
 from drmas_kfp.components.update import update
 from drmas_kfp.components.warmstart import warmstart
 
@@ -63,6 +67,9 @@ __all__ = [
     "evaluate",
     "load_checkpoint",
     "rollout",
+    "track",
+    "track_end",
+    "track_start",
     "update",
     "warmstart",
 ]

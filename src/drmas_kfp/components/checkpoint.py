@@ -32,6 +32,8 @@ def checkpoint(
     """Write ``iter-{i}/checkpoint`` naming every worker group's new policy and optimizer
     state (one ``update_k`` per worker group) with the iteration's metrics; the output is
     the policy set the next iteration starts from."""
+    import re
+
     from drmas.infra.layout import optim_path, policy_path, stage_path
     from drmas.infra.store import iteration_path
     from drmas.stages.checkpoint import checkpoint as checkpoint_stage
@@ -60,6 +62,11 @@ def checkpoint(
             *expected.values(),
         ]:
             values |= store.open(source).read_json(METRICS_FILE)
+        # The stages' own times: the pods' start-up and the evaluation are not in it
+        # (the embedded runner's time/iteration is the wall time of its stages).
+        values["time/iteration"] = sum(
+            value for name, value in values.items() if name.startswith("time/") or re.fullmatch(r"wg/[^/]+/time", name)
+        )
         checkpoint_stage(config, store, run_id, iteration, values, overwrite=True, cache_key=key)
 
     reuse_or_compute(store, path, key, force, compute, label=f"checkpoint iter {iteration}")

@@ -18,6 +18,11 @@ worker groups, the iterations) is the compiled config's. The stage outputs
 go to ``{store.root}/{experiment}/{run_id}/...`` as with ``drmas run``. ``force`` names
 stages to recompute in this run: their tasks get caching off and ``force=True`` (see
 ``parse_force``). Every task is placed by ``pipelines.platform`` (``placement_for``).
+
+The train and rl_iteration pipelines log to MLflow as ``drmas run`` does, from small CPU
+steps beside the stages (``components.track``): ``mlflow: start`` (opens the run, links
+to it), ``mlflow: iteration i`` after each checkpoint (and evaluation), ``mlflow: end``
+(report, registered policies, link and figures).
 """
 
 import re
@@ -163,8 +168,26 @@ class _Builder:
         task = components.evaluate(config_json=config_json, policies=policies, label=label, run_id=run_id, force=forced)
         return self.task("evaluate", task, name, forced)
 
-    def iterations(self, config_json, run_id, policies, reference, first: int, last: int):
-        """Iterations ``first`` .. ``last - 1``, chained; returns the last checkpoint."""
+    def track_start(self, config_json, run_id, first: int) -> PipelineTask:
+        """The step that opens the run's MLflow run and links to it (runs beside the stages)."""
+        task = components.track_start(
+            config_json=config_json,
+            run_id=run_id,
+            first_iteration=first,
+            kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+            image=components.GPU_IMAGE,
+        )
+        return self.task("track", task, "mlflow: start")
+
+    def track(self, config_json, run_id, iteration: int, after: PipelineTask, name: str, **inputs) -> PipelineTask:
+        """The step that logs ``iteration`` (-1: the evaluation before training) once its
+        ``inputs`` exist, after the tracking step ``after`` (MLflow gets the steps in order)."""
+        task = components.track(config_json=config_json, run_id=run_id, iteration=iteration, **inputs)
+        return self.task("track", task, name).after(after)
+
+    def iterations(self, config_json, run_id, policies, reference, first: int, last: int, tracked: PipelineTask):
+        """Iterations ``first`` .. ``last - 1``, chained, each logged to MLflow after the
+        tracking step ``tracked``; returns the last checkpoint and its tracking step."""
         for i in range(first, last):
             forced = self.force("rollout", i)
             rollout = self.task(
@@ -207,9 +230,13 @@ class _Builder:
             )
             self.task("checkpoint", checkpoint, f"checkpoint {i}", forced)
             policies = checkpoint.outputs["checkpoint"]
+            logged = {"checkpoint": policies}
             if evaluation_due(self.config, i):
-                self.evaluate(config_json, policies, f"evaluate {i}", i, run_id=run_id)
-        return policies
+                logged["evaluation"] = self.evaluate(config_json, policies, f"evaluate {i}", i, run_id=run_id).outputs[
+                    "results"
+                ]
+            tracked = self.track(config_json, run_id, i, tracked, f"mlflow: iteration {i}", **logged)
+        return policies, tracked
 
 
 def _iteration_pipeline(
@@ -219,10 +246,18 @@ def _iteration_pipeline(
     before = kind == "train" and first == 0 and bool(config.eval.every)
 
     def body(config_json, run_id, start_checkpoint):
+        tracked = builder.track_start(config_json, run_id, first)
         policies, reference = builder.starting_point(config_json, run_id, first, start_checkpoint)
         if before:
-            builder.evaluate(config_json, policies, "evaluate before training", -1, run_id=run_id)
-        return builder.iterations(config_json, run_id, policies, reference, first, last)
+            evaluation = builder.evaluate(config_json, policies, "evaluate before training", -1, run_id=run_id)
+            results = evaluation.outputs["results"]
+            tracked = builder.track(config_json, run_id, -1, tracked, "mlflow: before training", evaluation=results)
+        checkpoint, tracked = builder.iterations(config_json, run_id, policies, reference, first, last, tracked)
+        end = components.track_end(
+            config_json=config_json, run_id=run_id, last_iteration=last - 1, checkpoint=checkpoint
+        )
+        builder.task("track", end, "mlflow: end").after(tracked)
+        return checkpoint
 
     what = f"iterations {first}..{last - 1}" if last - first > 1 else f"iteration {first}"
     start = "from the warm start" if first == 0 else f"from the checkpoint of iteration {first - 1}"
