@@ -6,8 +6,15 @@ kubernetes-validate's strict schemas of the newest Kubernetes it ships; KubeRay'
 RayCluster/RayJob with the hand-written schemas in manifests/schemas, whose pod templates
 refer to the same core definitions. On top of the schemas, `problems` holds the rules of
 the project: resources, non-root, no privilege escalation, dropped capabilities, pinned
-images, least RBAC, no API token in a pod that does not use the API, placeholder-only
-secrets, references that resolve. Deliberately broken copies show that every rule can fail.
+images, least RBAC (named grants only: Argo's executor, KFP's launcher), no API token in a
+pod that does not use the API, placeholder-only secrets, references that resolve, KFP's
+launcher settings as KFP's source reads them, NetworkPolicies that admit only the pipeline
+and Ray pods, Ray token authentication, each secret only in the pods that use it, and
+fully qualified names for Services in other namespaces. Deliberately broken copies show
+that every rule can fail.
+
+Install modes are overlays that hold only the pipeline side (kfp-standalone,
+kubeflow-profile); `rendered("base", "kfp-standalone")` is what applying both sends.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import copy
 import json
 import re
 from collections.abc import Callable, Iterator
+from fnmatch import fnmatch
 from functools import cache
 from pathlib import Path
 from urllib.parse import urlparse
@@ -36,7 +44,9 @@ from drmas.config import RayConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = ROOT / "manifests"
-KUSTOMIZATIONS = ("base", "object-store", "jobs")
+KUSTOMIZATIONS = ("base", "object-store", "jobs", "kfp-standalone", "kubeflow-profile")
+PLATFORMS = ("base", "object-store")
+PIPELINE_OVERLAYS = {"kfp-standalone": "kubeflow", "kubeflow-profile": "kubeflow-user-example-com"}
 K8S_VERSION = ".".join(latest_version().split(".")[:2])  # the newest schemas it ships
 KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "namespace", "resources", "patches", "images"}
 CLUSTER_SCOPED = {
@@ -50,10 +60,71 @@ CLUSTER_SCOPED = {
 }
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
 ALLOWED_VERBS = {"get", "list", "watch"}
+# Writes a Role may hold, each on one named resource and for one reason, nothing broader:
+# Argo's executor (>= v3.4) reports a step's outputs as WorkflowTaskResults
+# (argoproj/argo-workflows docs/workflow-rbac.md, "the minimum for the executor").
+NAMED_GRANTS = {("argoproj.io", "workflowtaskresults"): {"create", "patch"}}
+# Accounts a RoleBinding may name without rendering them: a Kubeflow profile's pipeline
+# pods run as default-editor, which Kubeflow's profile controller creates.
+EXTERNAL_ACCOUNTS = {"default-editor"}
+PIPELINE_ROLE = "drmas-pipeline"
 PLACEHOLDER = "REPLACE_ME"
 CREDENTIAL_KEY = re.compile(r"KEY|SECRET|PASSWORD|TOKEN", re.IGNORECASE)
 DRMAS_UID = 1000  # USER 1000:1000 in images/Dockerfile.*
 GPU_CONFIGS = sorted((ROOT / "configs").glob("*_gpu.yaml"))
+
+# KFP's launcher settings (kubeflow/pipelines backend/src/v2/config/env.go: the ConfigMap
+# kfp-launcher, keys defaultPipelineRoot and providers; s3.go: the s3 provider's fields).
+# Go's decoder ignores a field it does not know, so a misspelling would silently drop a
+# setting: every field is checked against these.
+LAUNCHER_CONFIGMAP = "kfp-launcher"
+LAUNCHER_KEYS = {"defaultPipelineRoot", "providers"}
+LAUNCHER_PROVIDERS = {"minio", "s3", "gs"}
+S3_PROVIDER_FIELDS = {"default", "overrides"}
+S3_DEFAULT_FIELDS = {"endpoint", "credentials", "region", "disableSSL", "forcePathStyle", "maxRetries"}
+S3_OVERRIDE_FIELDS = S3_DEFAULT_FIELDS | {"bucketName", "keyPrefix"}
+S3_CREDENTIAL_FIELDS = {"fromEnv", "secretRef"}
+S3_SECRET_REF_FIELDS = {"secretName", "accessKeyKey", "secretKeyKey"}
+
+# KFP labels every pod of a v2 pipeline so (backend/src/v2/compiler/argocompiler/argo.go).
+PIPELINE_POD_LABEL = {"pipelines.kubeflow.org/v2_component": "true"}
+RAY_POD_LABEL = {"app.kubernetes.io/name": "drmas-raycluster"}
+RAY_HEAD_LABEL = {**RAY_POD_LABEL, "app.kubernetes.io/component": "ray-head"}
+MLFLOW_POD_LABEL = {"app.kubernetes.io/name": "mlflow"}
+# What pipeline pods connect to: Ray Client on the head, MLflow.
+PIPELINE_TARGETS = ((RAY_HEAD_LABEL, 10001), (MLFLOW_POD_LABEL, 5000))
+# Ports no pod outside the allowed ones may reach: GCS, dashboard, Ray Client, MLflow,
+# PostgreSQL. Ray pods are guarded whatever they declare (raylets listen on many ports).
+GUARDED_PORTS = {6379, 8265, 10001, 5000, 5432}
+# The only port a NetworkPolicy may open to every pod: SeaweedFS' S3, which checks the keys
+# of drmas-s3 itself (pipeline pods of any namespace reach it).
+OPEN_PORTS = {8333}
+# A namespace label that admits a whole namespace (an Ingress controller's) to MLflow's UI.
+UI_NAMESPACE_LABEL = "drmas.io/mlflow-ui"
+# Ray token authentication: KubeRay's authOptions.secretName and its key
+# (ray-project/kuberay ray-operator/controllers/ray/utils/constant.go), and the variables
+# Ray reads (ray 2.60 ray/_private/authentication, the C++ token loader: RAY_AUTH_MODE,
+# RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH).
+RAY_TOKEN_SECRET_KEY = "auth_token"
+# The pods that use each secret (fnmatch patterns of pod_templates' names), and why. Any
+# other pod that gets the secret fails: a credential lives only where it is used.
+SECRET_USERS = {
+    "drmas-s3": {
+        "RayCluster/*/head": "RayJob drivers (drmas run) read and write the store",
+        "RayCluster/*/gpu": "pool workers load policies and optimizer state",
+        "Deployment/mlflow": "the artifact proxy (--serve-artifacts) writes to S3",
+        "StatefulSet/seaweedfs": "the S3 server enforces these keys",
+    },
+    "drmas-mlflow-db": {
+        "Deployment/mlflow-db": "PostgreSQL's password",
+        "Deployment/mlflow": "the tracking server logs in (PGPASSWORD)",
+    },
+    "drmas-ray-token": {
+        "RayCluster/*/head": "Ray token authentication",
+        "RayCluster/*/gpu": "Ray token authentication",
+    },
+}
+BUCKET_SCHEMES = {"s3", "gs", "minio"}  # URI hosts that are buckets, not Services
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -63,8 +134,9 @@ def render(directory: Path) -> list[dict]:
     """The documents `kubectl apply -k directory` would send, as far as these manifests go.
 
     resources: files (multi-document YAML) and directories, recursively; patches: a file
-    naming its target by kind and name, merged like a strategic merge patch on maps (lists
-    and scalars replace, so patches must not hold lists); images: every containers and
+    naming its target by kind and name (and namespace, if it names one), merged like a
+    strategic merge patch on maps (lists and scalars replace, so patches must not hold
+    lists); images: every containers and
     initContainers list at any depth, as kustomize does, CRDs included; namespace: set on
     every namespaced document.
     """
@@ -84,7 +156,7 @@ def render(directory: Path) -> list[dict]:
     for patch in kustomization.get("patches", []):
         assert set(patch) == {"path"}, f"{directory}: only file patches are implemented"
         body = yaml.safe_load((directory / patch["path"]).read_text())
-        targets = [doc for doc in docs if key(doc)[:2] == key(body)[:2]]
+        targets = [doc for doc in docs if key(doc)[:2] == key(body)[:2] and key(body)[2] in (None, key(doc)[2])]
         assert len(targets) == 1, f"patch {patch['path']} matches {len(targets)} documents"
         merge(targets[0], body)
     for rule in kustomization.get("images", []):
@@ -139,9 +211,10 @@ def _rendered(name: str) -> tuple[str, ...]:
     return tuple(json.dumps(doc) for doc in render(MANIFESTS / name))
 
 
-def rendered(name: str) -> list[dict]:
-    """A fresh copy of a kustomization's documents (tests may mutate it)."""
-    return [json.loads(doc) for doc in _rendered(name)]
+def rendered(*names: str) -> list[dict]:
+    """A fresh copy of the kustomizations' documents (tests may mutate it): several names
+    are what `kubectl apply -k` of each sends together (a kustomization listing them)."""
+    return [json.loads(doc) for name in names for doc in _rendered(name)]
 
 
 def find(docs: list[dict], kind: str, name: str | None = None) -> list[dict]:
@@ -338,8 +411,10 @@ def rbac_problems(docs: list[dict]) -> list[str]:
             for index, rule in enumerate(doc.get("rules", [])):
                 at = f"Role/{name} rule {index}"
                 verbs = set(rule.get("verbs", []))
-                if not verbs <= ALLOWED_VERBS:
-                    problems.append(f"{at}: verbs {sorted(verbs - ALLOWED_VERBS)} not allowed")
+                pairs = {(g, r) for g in rule.get("apiGroups", []) for r in rule.get("resources", [])}
+                granted = set.intersection(*(NAMED_GRANTS.get(p, set()) for p in pairs)) if pairs else set()
+                if not verbs <= ALLOWED_VERBS | granted:
+                    problems.append(f"{at}: verbs {sorted(verbs - ALLOWED_VERBS - granted)} not allowed")
                 for field in ("apiGroups", "resources", "verbs", "resourceNames"):
                     if "*" in rule.get(field, []):
                         problems.append(f"{at}: wildcard in {field}")
@@ -354,9 +429,13 @@ def rbac_problems(docs: list[dict]) -> list[str]:
                 problems.append(f"RoleBinding/{name}: roleRef {ref} is not a Role here")
             for subject in doc.get("subjects", []):
                 accounts = find(docs, subject.get("kind", ""), subject.get("name"))
-                if subject.get("kind") != "ServiceAccount" or not accounts:
+                external = subject.get("kind") == "ServiceAccount" and subject.get("name") in EXTERNAL_ACCOUNTS
+                if subject.get("kind") != "ServiceAccount" or not (accounts or external):
                     problems.append(f"RoleBinding/{name}: subject {subject} is not a ServiceAccount here")
-                elif subject.get("namespace") != accounts[0]["metadata"].get("namespace"):
+                elif subject.get("namespace") != key(doc)[2] or (
+                    accounts and subject.get("namespace") != accounts[0]["metadata"].get("namespace")
+                ):
+                    # A Role grants in its own namespace: its pods run there.
                     problems.append(f"RoleBinding/{name}: subject namespace {subject.get('namespace')}")
     return problems
 
@@ -425,6 +504,310 @@ def mlflow_problems(docs: list[dict]) -> list[str]:
     return problems
 
 
+def _labels(template: dict) -> dict:
+    return (template.get("metadata") or {}).get("labels") or {}
+
+
+def _matches(selector: dict | None, labels: dict) -> bool:
+    """Whether a label selector (matchLabels only: these manifests use nothing else)
+    selects these labels."""
+    selector = selector or {}
+    if selector.get("matchExpressions"):
+        return False
+    return (selector.get("matchLabels") or {}).items() <= labels.items()
+
+
+def _secret_keys(docs: list[dict], namespace: str | None) -> dict[str, dict]:
+    return {
+        s["metadata"]["name"]: s.get("stringData") or {}
+        for s in find(docs, "Secret")
+        if s["metadata"].get("namespace") == namespace
+    }
+
+
+def _unknown_fields(where: str, node: object, allowed: set[str]) -> list[str]:
+    if not isinstance(node, dict):
+        return [f"{where}: expected a mapping, got {node!r}"]
+    return [f"{where}: unknown field {name!r} (the launcher ignores it)" for name in sorted(set(node) - allowed)]
+
+
+def _endpoint(url_or_host: str, disable_ssl: bool | None = None) -> tuple[str, str]:
+    """(scheme, host:port) of an S3 endpoint given as a URL or, as KFP's launcher takes it,
+    host[:port] with disableSSL choosing http."""
+    if "://" in url_or_host:
+        parsed = urlparse(url_or_host)
+        return parsed.scheme, parsed.netloc
+    return ("http" if disable_ssl else "https"), url_or_host
+
+
+def launcher_problems(docs: list[dict]) -> list[str]:
+    """KFP's launcher settings: an s3:// pipeline root (not KFP's minio://mlpipeline
+    fallback) and an s3 provider whose fields are the ones KFP's source reads, with
+    credentials from a secret that is there, and the endpoint that secret names."""
+    problems = []
+    for config in find(docs, "ConfigMap", LAUNCHER_CONFIGMAP):
+        namespace = key(config)[2]
+        at = f"ConfigMap/{LAUNCHER_CONFIGMAP} ({namespace})"
+        data = config.get("data") or {}
+        problems += [f"{at}: unknown key {k!r}" for k in sorted(set(data) - LAUNCHER_KEYS)]
+        root = str(data.get("defaultPipelineRoot", ""))
+        if urlparse(root).scheme != "s3":
+            problems.append(f"{at}: defaultPipelineRoot {root!r} is not s3:// (KFP falls back to minio://mlpipeline)")
+        try:
+            providers = yaml.safe_load(str(data.get("providers", ""))) or {}
+        except yaml.YAMLError as error:
+            problems.append(f"{at}: providers is not YAML: {error}")
+            continue
+        problems += _unknown_fields(f"{at} providers", providers, LAUNCHER_PROVIDERS)
+        s3 = providers.get("s3") if isinstance(providers, dict) else None
+        if not isinstance(s3, dict) or not isinstance(s3.get("default"), dict):
+            problems.append(f"{at}: no providers.s3.default (the launcher opens s3:// URIs with no credentials)")
+            continue
+        problems += _unknown_fields(f"{at} s3", s3, S3_PROVIDER_FIELDS)
+        secrets = _secret_keys(docs, namespace)
+        roles = [r for r in find(docs, "Role") if key(r)[2] == namespace]
+        sources = [("s3.default", s3["default"], S3_DEFAULT_FIELDS)]
+        sources += [(f"s3.overrides[{i}]", o, S3_OVERRIDE_FIELDS) for i, o in enumerate(s3.get("overrides") or [])]
+        for where, source, fields in sources:
+            where = f"{at} {where}"
+            problems += _unknown_fields(where, source, fields)
+            credentials = source.get("credentials") or {}
+            problems += _unknown_fields(f"{where}.credentials", credentials, S3_CREDENTIAL_FIELDS)
+            if credentials.get("fromEnv") is not False:
+                problems.append(f"{where}: credentials.fromEnv is not false (the launcher has no S3 keys in its env)")
+                continue
+            ref = credentials.get("secretRef") or {}
+            problems += _unknown_fields(f"{where}.credentials.secretRef", ref, S3_SECRET_REF_FIELDS)
+            name = ref.get("secretName")
+            if name not in secrets:
+                problems.append(f"{where}: secretRef names secret {name!r}, missing in {namespace}")
+                continue
+            for field in ("accessKeyKey", "secretKeyKey"):
+                if ref.get(field) not in secrets[name]:
+                    problems.append(f"{where}: secretRef.{field} {ref.get(field)!r} is missing in secret {name}")
+            if roles and not any(
+                "secrets" in rule.get("resources", [])
+                and "get" in rule.get("verbs", [])
+                and name in rule.get("resourceNames", [])
+                for role in roles
+                for rule in role.get("rules", [])
+            ):
+                problems.append(f"{where}: no Role in {namespace} lets the launcher get secret {name}")
+            endpoint = str(source.get("endpoint") or "")
+            if not endpoint:
+                if "overrides" not in where:
+                    problems.append(f"{where}: no endpoint")
+                continue
+            if not isinstance(source.get("disableSSL", False), bool):
+                problems.append(f"{where}: disableSSL is not a boolean")
+            url = secrets[name].get("AWS_ENDPOINT_URL")
+            if url and _endpoint(str(url)) != _endpoint(endpoint, source.get("disableSSL")):
+                problems.append(
+                    f"{where}: endpoint {endpoint!r} (disableSSL {source.get('disableSSL')}) disagrees with "
+                    f"{name}'s AWS_ENDPOINT_URL {url!r}: the launcher and the steps would use different stores"
+                )
+    endpoints = {
+        str(secret["stringData"]["AWS_ENDPOINT_URL"])
+        for secret in find(docs, "Secret", "drmas-s3")
+        if PLACEHOLDER not in str((secret.get("stringData") or {}).get("AWS_ENDPOINT_URL", PLACEHOLDER))
+    }
+    if len(endpoints) > 1:
+        problems.append(f"Secret/drmas-s3: namespaces name different stores {sorted(endpoints)}")
+    return problems
+
+
+def _guarded_pods(docs: list[dict]) -> list[tuple[str, dict, str | None]]:
+    """(where, labels, namespace) of every pod that must sit behind a NetworkPolicy."""
+    guarded = []
+    for where, template, doc in all_templates(docs):
+        ports = {p.get("containerPort") for c in pod_containers(template) for p in c.get("ports", [])}
+        if doc["kind"] == "RayCluster" or ports & GUARDED_PORTS:
+            guarded.append((where, _labels(template), key(doc)[2]))
+    return guarded
+
+
+def _ingress_policies(docs: list[dict], labels: dict, namespace: str | None) -> list[dict]:
+    return [
+        policy
+        for policy in find(docs, "NetworkPolicy")
+        if key(policy)[2] == namespace
+        and "Ingress" in policy["spec"].get("policyTypes", ["Ingress"])
+        and _matches(policy["spec"].get("podSelector"), labels)
+    ]
+
+
+def _admits(peer: dict, labels: dict, namespace: str, policy_namespace: str | None) -> bool:
+    """Whether a `from` peer admits a pod with these labels in this namespace."""
+    if "namespaceSelector" in peer:
+        if not _matches(peer["namespaceSelector"], {"kubernetes.io/metadata.name": namespace}):
+            return False
+    elif namespace != policy_namespace:
+        return False
+    return _matches(peer.get("podSelector"), labels)
+
+
+def network_problems(docs: list[dict]) -> list[str]:
+    """Ray, MLflow and its database admit only the pods that use them: every guarded pod is
+    selected by a NetworkPolicy; every rule names its sources by pod labels (a whole
+    namespace only for MLflow's UI label) and its ports (unless it admits the selected pods
+    themselves); and the pipeline pods of each namespace the pipeline Role is bound in do
+    reach the Ray head and MLflow."""
+    problems = []
+    for where, labels, namespace in _guarded_pods(docs):
+        if not _ingress_policies(docs, labels, namespace):
+            problems.append(f"{where}: open to every pod in the cluster (no NetworkPolicy selects it)")
+    for policy in find(docs, "NetworkPolicy"):
+        name, namespace = key(policy)[1:]
+        selector = policy["spec"].get("podSelector") or {}
+        for index, rule in enumerate(policy["spec"].get("ingress", [])):
+            at = f"NetworkPolicy/{name} ingress {index}"
+            ports = {p.get("port") for p in rule.get("ports", [])}
+            if rule.get("ports") and ports <= OPEN_PORTS:
+                continue
+            if not rule.get("from"):
+                problems.append(f"{at}: admits every source")
+                continue
+            for peer in rule["from"]:
+                pods = (peer.get("podSelector") or {}).get("matchLabels")
+                spaces = (peer.get("namespaceSelector") or {}).get("matchLabels") or {}
+                if "ipBlock" in peer:
+                    problems.append(f"{at}: admits an ipBlock")
+                elif not pods and set(spaces) != {UI_NAMESPACE_LABEL}:
+                    problems.append(f"{at}: admits every pod of {spaces or 'the namespace'} (no podSelector)")
+                elif not rule.get("ports") and (peer != {"podSelector": selector}):
+                    problems.append(f"{at}: admits {pods or spaces} on every port (name the ports)")
+                elif pods == PIPELINE_POD_LABEL and not ports <= GUARDED_PORTS - {5432}:
+                    problems.append(f"{at}: admits pipeline pods on ports {sorted(ports - GUARDED_PORTS)}")
+    pipeline_namespaces = {
+        key(binding)[2]
+        for binding in find(docs, "RoleBinding")
+        if binding.get("roleRef", {}).get("name") == PIPELINE_ROLE
+    }
+    for target, port in PIPELINE_TARGETS:
+        for where, labels, namespace in _guarded_pods(docs):
+            if not _matches({"matchLabels": target}, labels):
+                continue
+            for pipelines in sorted(pipeline_namespaces, key=str):
+                if not any(
+                    (not rule.get("ports") or port in {p.get("port") for p in rule["ports"]})
+                    and any(_admits(peer, PIPELINE_POD_LABEL, pipelines, namespace) for peer in rule.get("from", []))
+                    for policy in _ingress_policies(docs, labels, namespace)
+                    for rule in policy["spec"].get("ingress", [])
+                ):
+                    problems.append(f"{where}: pipeline pods in {pipelines} cannot reach port {port}")
+    return problems
+
+
+def _secret_refs(template: dict) -> set[str]:
+    """The secrets a pod gets: env, envFrom, volumes (projected too)."""
+    spec = template.get("spec") or {}
+    names = set()
+    for container in pod_containers(template):
+        for env in container.get("env", []):
+            names.add(((env.get("valueFrom") or {}).get("secretKeyRef") or {}).get("name"))
+        for source in container.get("envFrom", []):
+            names.add((source.get("secretRef") or {}).get("name"))
+    for volume in spec.get("volumes", []):
+        names.add((volume.get("secret") or {}).get("secretName"))
+        for source in (volume.get("projected") or {}).get("sources", []):
+            names.add((source.get("secret") or {}).get("name"))
+    return names - {None}
+
+
+def secret_user_problems(docs: list[dict]) -> list[str]:
+    """Each secret reaches only the pods that use it (SECRET_USERS)."""
+    problems = []
+    for where, template, _ in all_templates(docs):
+        for name in sorted(_secret_refs(template)):
+            users = SECRET_USERS.get(name, {})
+            if not any(fnmatch(where, pattern) for pattern in users):
+                problems.append(f"{where}: gets secret {name} but does not use it")
+    return problems
+
+
+def ray_auth_problems(docs: list[dict]) -> list[str]:
+    """Ray token authentication: KubeRay's authOptions name a Secret with the token, and the
+    head and workers set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from that Secret."""
+    problems = []
+    clusters = [(f"RayCluster/{key(c)[1]}", c["spec"], c) for c in find(docs, "RayCluster")]
+    clusters += [
+        (f"RayJob/{key(j)[1]}", j["spec"]["rayClusterSpec"], j)
+        for j in find(docs, "RayJob")
+        if "rayClusterSpec" in j.get("spec", {})
+    ]
+    for at, spec, doc in clusters:
+        options = spec.get("authOptions") or {}
+        secret = options.get("secretName")
+        if options.get("mode") != "token":
+            problems.append(f"{at}: no token authentication (authOptions.mode: token)")
+        elif RAY_TOKEN_SECRET_KEY not in _secret_keys(docs, key(doc)[2]).get(secret, {}):
+            problems.append(f"{at}: authOptions.secretName {secret!r} is no secret with key {RAY_TOKEN_SECRET_KEY}")
+        for where, template in ray_cluster_templates(at, spec):
+            (container, *_) = template.get("spec", {}).get("containers") or [{}]
+            env = {e.get("name"): e for e in container.get("env", [])}
+            if (env.get("RAY_AUTH_MODE") or {}).get("value") != "token":
+                problems.append(f"{where}: RAY_AUTH_MODE is not token")
+            ref = ((env.get("RAY_AUTH_TOKEN") or {}).get("valueFrom") or {}).get("secretKeyRef") or {}
+            if ref != {"name": secret, "key": RAY_TOKEN_SECRET_KEY}:
+                problems.append(f"{where}: RAY_AUTH_TOKEN does not come from {secret}/{RAY_TOKEN_SECRET_KEY}")
+    for where, template, _ in all_templates(docs):
+        for container in pod_containers(template):
+            for env in container.get("env", []):
+                if env.get("name") == "RAY_AUTH_MODE" and env.get("value") != "token":
+                    problems.append(f"{where}: RAY_AUTH_MODE={env.get('value')}")
+    return problems
+
+
+HOST = re.compile(
+    r"(?:(?P<scheme>[a-z][a-z0-9+.-]*)://(?:[^@/\s]*@)?)?"
+    r"(?P<host>[a-z0-9](?:[a-z0-9-]*[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]*[a-z0-9])?)*)"
+    r"(?::(?P<port>\d+))?"
+)
+
+
+def _addresses(doc: dict) -> Iterator[tuple[str, str]]:
+    """(where, text) of the values that may name a Service: secret and ConfigMap values,
+    container commands, args and env values (not --allowed-hosts, which lists Host headers
+    MLflow accepts, not addresses it connects to)."""
+    kind, name, _ = key(doc)
+    for field in ("stringData", "data"):
+        if kind in ("Secret", "ConfigMap"):
+            for entry, value in (doc.get(field) or {}).items():
+                yield f"{kind}/{name} {entry}", str(value)
+    for where, template in pod_templates(doc):
+        for container in pod_containers(template):
+            at = f"{where}/{container.get('name')}"
+            for arg in container.get("command", []) + container.get("args", []):
+                if not str(arg).startswith("--allowed-hosts"):
+                    yield at, str(arg)
+            for env in container.get("env", []):
+                if "value" in env:
+                    yield f"{at} env {env['name']}", str(env["value"])
+
+
+def service_name_problems(docs: list[dict]) -> list[str]:
+    """A Service in another namespace is named name.namespace.svc.cluster.local: pods in
+    other namespaces resolve a short name in their own namespace, and name.namespace.svc
+    depends on the resolver's search path."""
+    problems = []
+    services = {(key(s)[1], key(s)[2]) for s in find(docs, "Service")}
+    names = {name for name, _ in services}
+    for doc in docs:
+        for where, text in _addresses(doc):
+            for match in HOST.finditer(text):
+                scheme, host, port = match.group("scheme", "host", "port")
+                if scheme in BUCKET_SCHEMES or not (scheme or port or ".svc" in host):
+                    continue
+                labels = host.split(".")
+                if ".svc" in host and not host.endswith(".svc.cluster.local"):
+                    problems.append(f"{where}: {host} is not fully qualified (.svc.cluster.local)")
+                elif len(labels) == 2 and tuple(labels) in services:
+                    problems.append(f"{where}: {host} is not fully qualified (.svc.cluster.local)")
+                elif len(labels) == 1 and host in names and (host, key(doc)[2]) not in services:
+                    problems.append(f"{where}: {host} names a Service of another namespace by its short name")
+    return problems
+
+
 def duplicate_problems(docs: list[dict]) -> list[str]:
     keys = [key(doc) for doc in docs]
     return [f"{k}: defined twice" for k in sorted(set(keys), key=str) if keys.count(k) > 1]
@@ -439,6 +822,11 @@ def problems(docs: list[dict], *, templates_only: bool = True) -> list[str]:
         + secret_problems(docs, templates_only=templates_only)
         + reference_problems(docs)
         + mlflow_problems(docs)
+        + launcher_problems(docs)
+        + network_problems(docs)
+        + secret_user_problems(docs)
+        + ray_auth_problems(docs)
+        + service_name_problems(docs)
     )
 
 
@@ -466,23 +854,32 @@ def test_kustomization_renders_and_keeps_every_rule(name: str) -> None:
 
 
 def test_rendering_applies_namespace_images_and_patches() -> None:
-    base, store, jobs = (rendered(name) for name in KUSTOMIZATIONS)
+    base, store, jobs, standalone, profile = (rendered(name) for name in KUSTOMIZATIONS)
     assert sorted(doc["kind"] for doc in base) == sorted(
-        ["Namespace", "ServiceAccount", "Role", "RoleBinding", "Secret", "Secret", "RayCluster"]
+        ["Namespace", "Secret", "Secret", "Secret", "RayCluster"]
         + ["PersistentVolumeClaim"] * 2
         + ["Deployment", "Service"] * 2
+        + ["NetworkPolicy"] * 3
     )
-    assert {d["kind"] for d in store} - {d["kind"] for d in base} == {
-        "StatefulSet",
-        "NetworkPolicy",
-    }
+    assert {d["kind"] for d in store} - {d["kind"] for d in base} == {"StatefulSet"}
     assert [d["kind"] for d in jobs] == ["RayJob"]
     for doc in base + store + jobs:
         if doc["kind"] != "Namespace":
             assert doc["metadata"]["namespace"] == "drmas", key(doc)
     assert one(base, "Namespace")["metadata"]["name"] == "drmas"
+    # The install modes: the pipeline side in the pipeline namespace, the policies that
+    # admit it next to what they guard. No Namespace objects: those namespaces are KFP's.
+    for docs, pipelines in ((standalone, "kubeflow"), (profile, "kubeflow-user-example-com")):
+        assert not find(docs, "Namespace")
+        for doc in docs:
+            expected = "drmas" if doc["kind"] == "NetworkPolicy" else pipelines
+            assert doc["metadata"]["namespace"] == expected, key(doc)
+    assert sorted(d["kind"] for d in standalone) == sorted(
+        ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Secret", "Secret"] + ["NetworkPolicy"] * 2
+    )
+    assert sorted(d["kind"] for d in profile) == sorted(d["kind"] for d in standalone if d["kind"] != "ServiceAccount")
     # Every object is one the validators know: core kinds (kubernetes-validate) or ray.io/v1.
-    assert {d["apiVersion"] for d in base + store + jobs} <= {
+    assert {d["apiVersion"] for d in base + store + jobs + standalone + profile} <= {
         "v1",
         "apps/v1",
         "rbac.authorization.k8s.io/v1",
@@ -494,6 +891,15 @@ def test_rendering_applies_namespace_images_and_patches() -> None:
     assert PLACEHOLDER in base_s3["AWS_ENDPOINT_URL"]
     assert store_s3["AWS_ENDPOINT_URL"] == "http://seaweedfs.drmas.svc.cluster.local:8333"
     assert store_s3["AWS_ACCESS_KEY_ID"] == base_s3["AWS_ACCESS_KEY_ID"] == PLACEHOLDER
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("overlay", sorted(PIPELINE_OVERLAYS))
+def test_platform_and_install_mode_keep_every_rule_together(platform: str, overlay: str) -> None:
+    """What `kubectl apply -k <platform>` and `kubectl apply -k <overlay>` send together."""
+    docs = rendered(platform, overlay)
+    assert problems(docs, templates_only=platform == "base") == []
+    assert network_problems(docs) == [], "the overlay's pipeline pods reach Ray and MLflow"
 
 
 def test_an_overlay_retags_images_inside_the_raycluster(tmp_path: Path) -> None:
@@ -574,24 +980,200 @@ def test_mlflow_server_uses_a_database_and_serves_artifacts_from_s3() -> None:
         assert urlparse(config["store"]["root"]).netloc == artifacts.netloc, "one bucket"
 
 
-def test_rbac_grants_only_named_gets() -> None:
-    base = rendered("base")
-    role = one(base, "Role")
-    assert role["rules"], "the pipeline steps' Role"
-    for rule in role["rules"]:
-        assert rule["verbs"] == ["get"] and rule["resourceNames"], rule
-    secret_rule = next(r for r in role["rules"] if "secrets" in r["resources"])
-    assert secret_rule["resourceNames"] == ["drmas-s3"]
-    binding = one(base, "RoleBinding")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "drmas-pipeline", "namespace": "drmas"}]
+@pytest.mark.parametrize("overlay", sorted(PIPELINE_OVERLAYS))
+def test_rbac_grants_only_named_gets_and_the_executor(overlay: str) -> None:
+    docs = rendered(overlay)
+    namespace = PIPELINE_OVERLAYS[overlay]
+    role = one(docs, "Role")
+    assert role["metadata"]["name"] == PIPELINE_ROLE
+    by_resource = {(tuple(r["apiGroups"]), tuple(r["resources"])): r for r in role["rules"]}
+    assert by_resource == {
+        (("",), ("secrets",)): {
+            "apiGroups": [""],
+            "resources": ["secrets"],
+            "resourceNames": ["drmas-s3"],
+            "verbs": ["get"],
+        },
+        (("",), ("configmaps",)): {
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "resourceNames": [LAUNCHER_CONFIGMAP],
+            "verbs": ["get"],
+        },
+        # Argo's executor >= 3.4 (docs/workflow-rbac.md): its outputs as WorkflowTaskResults.
+        (("argoproj.io",), ("workflowtaskresults",)): {
+            "apiGroups": ["argoproj.io"],
+            "resources": ["workflowtaskresults"],
+            "verbs": ["create", "patch"],
+        },
+    }
+    binding = one(docs, "RoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": PIPELINE_ROLE}
+    account = "drmas-pipeline" if overlay == "kfp-standalone" else "default-editor"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]
+    assert [key(a) for a in find(docs, "ServiceAccount")] == (
+        [("ServiceAccount", "drmas-pipeline", namespace)] if overlay == "kfp-standalone" else []
+    )
 
 
 def test_secret_templates_hold_only_placeholders() -> None:
     base = rendered("base")
-    assert {s["metadata"]["name"] for s in find(base, "Secret")} == {"drmas-s3", "drmas-mlflow-db"}
+    assert {s["metadata"]["name"] for s in find(base, "Secret")} == {"drmas-s3", "drmas-mlflow-db", "drmas-ray-token"}
     s3 = one(base, "Secret", "drmas-s3")["stringData"]
     assert set(s3) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"}
+    assert one(base, "Secret", "drmas-ray-token")["stringData"] == {RAY_TOKEN_SECRET_KEY: PLACEHOLDER}
     assert secret_problems(base, templates_only=True) == []
+    for overlay in PIPELINE_OVERLAYS:
+        docs = rendered(overlay)
+        assert {s["metadata"]["name"] for s in find(docs, "Secret")} == {"drmas-s3", "drmas-ray-token"}
+        assert one(docs, "Secret", "drmas-s3")["stringData"] == s3, "the same keys in both namespaces"
+        assert secret_problems(docs, templates_only=True) == []
+
+
+@pytest.mark.parametrize("overlay", sorted(PIPELINE_OVERLAYS))
+def test_kfp_launcher_reads_the_drmas_bucket_with_drmas_s3(overlay: str) -> None:
+    """The format of backend/src/v2/config/{env,s3}.go: keys defaultPipelineRoot and
+    providers (YAML), s3.default with the secret's key names."""
+    docs = rendered(overlay)
+    config = one(docs, "ConfigMap", LAUNCHER_CONFIGMAP)
+    assert config["metadata"]["namespace"] == PIPELINE_OVERLAYS[overlay], "the launcher reads its own namespace"
+    root = urlparse(config["data"]["defaultPipelineRoot"])
+    assert root.scheme == "s3"
+    for gpu in gpu_configs():
+        assert urlparse(gpu["store"]["root"]).netloc == root.netloc, "one bucket for runs and KFP"
+    providers = yaml.safe_load(config["data"]["providers"])
+    assert set(providers) == {"s3"}
+    default = providers["s3"]["default"]
+    assert default["credentials"] == {
+        "fromEnv": False,
+        "secretRef": {
+            "secretName": "drmas-s3",
+            "accessKeyKey": "AWS_ACCESS_KEY_ID",
+            "secretKeyKey": "AWS_SECRET_ACCESS_KEY",
+        },
+    }
+    assert "://" not in default["endpoint"] and isinstance(default["disableSSL"], bool)
+    assert default["forcePathStyle"] is True, "MinIO and SeaweedFS serve buckets by path"
+    assert launcher_problems(docs) == []
+
+
+def test_an_overlay_of_your_own_points_the_launcher_at_seaweedfs(tmp_path: Path) -> None:
+    """The private overlay manifests/README.md describes: object store plus an install mode,
+    the S3 endpoint set in the pipeline namespace's secret and launcher settings alike."""
+    providers = yaml.safe_load(one(rendered("kfp-standalone"), "ConfigMap", LAUNCHER_CONFIGMAP)["data"]["providers"])
+    providers["s3"]["default"].update(endpoint="seaweedfs.drmas.svc.cluster.local:8333", disableSSL=True)
+    patches = {
+        "s3.yaml": {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "drmas-s3", "namespace": "kubeflow"},
+            "stringData": {"AWS_ENDPOINT_URL": "http://seaweedfs.drmas.svc.cluster.local:8333"},
+        },
+        "launcher.yaml": {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": LAUNCHER_CONFIGMAP, "namespace": "kubeflow"},
+            "data": {"providers": yaml.safe_dump(providers)},
+        },
+    }
+    for name, body in patches.items():
+        (tmp_path / name).write_text(yaml.safe_dump(body))
+    overlay = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [str(MANIFESTS / "object-store"), str(MANIFESTS / "kfp-standalone")],
+        "patches": [{"path": name} for name in patches],
+    }
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(overlay))
+    docs = render(tmp_path)
+    assert problems(docs, templates_only=False) == []
+    # The endpoint is the SeaweedFS Service, by its fully qualified name.
+    endpoint = yaml.safe_load(one(docs, "ConfigMap")["data"]["providers"])["s3"]["default"]["endpoint"]
+    host, port = endpoint.split(":")
+    service = one(docs, "Service", "seaweedfs")
+    assert host == f"seaweedfs.{service['metadata']['namespace']}.svc.cluster.local"
+    assert int(port) in {p["port"] for p in service["spec"]["ports"]}
+
+    # Forgetting one of the two, or the short name, fails.
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({**overlay, "patches": [{"path": "launcher.yaml"}]}))
+    assert any("disagrees with drmas-s3's AWS_ENDPOINT_URL" in p for p in problems(render(tmp_path)))
+    patches["s3.yaml"]["stringData"]["AWS_ENDPOINT_URL"] = "http://seaweedfs:8333"
+    (tmp_path / "s3.yaml").write_text(yaml.safe_dump(patches["s3.yaml"]))
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(overlay))
+    assert any("names a Service of another namespace by its short name" in p for p in problems(render(tmp_path)))
+
+
+def test_network_policies_admit_the_pipeline_and_ray_pods_only() -> None:
+    docs = rendered("base", "kfp-standalone")
+    ray = one(docs, "NetworkPolicy", "drmas-raycluster")["spec"]
+    assert ray["podSelector"]["matchLabels"] == RAY_POD_LABEL
+    assert ray["ingress"][0] == {"from": [{"podSelector": {"matchLabels": RAY_POD_LABEL}}]}
+    assert {p["port"] for p in ray["ingress"][1]["ports"]} == {8265}, "submitters and KubeRay: the dashboard"
+    pipelines = one(docs, "NetworkPolicy", "drmas-raycluster-from-kubeflow")["spec"]
+    assert pipelines["podSelector"]["matchLabels"] == RAY_HEAD_LABEL
+    ((rule),) = pipelines["ingress"]
+    assert rule["from"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kubeflow"}},
+            "podSelector": {"matchLabels": PIPELINE_POD_LABEL},
+        }
+    ]
+    assert {p["port"] for p in rule["ports"]} == {10001, 8265, 6379}
+    head = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]
+    assert {p["containerPort"] for p in head["spec"]["containers"][0]["ports"]} == {6379, 8265, 10001}
+    assert _matches(pipelines["podSelector"], _labels(head))
+    mlflow = [
+        p["spec"] for p in find(docs, "NetworkPolicy") if p["spec"]["podSelector"]["matchLabels"] == MLFLOW_POD_LABEL
+    ]
+    assert {port["port"] for spec in mlflow for rule in spec["ingress"] for port in rule["ports"]} == {5000}
+    assert {"namespaceSelector": {"matchLabels": {UI_NAMESPACE_LABEL: "true"}}} in mlflow[0]["ingress"][0]["from"]
+    # Every pod with a guarded port, and every Ray pod, is behind a policy.
+    guarded = {where for where, _, _ in _guarded_pods(docs)}
+    assert guarded == {
+        "RayCluster/drmas-raycluster/head",
+        "RayCluster/drmas-raycluster/gpu",
+        "Deployment/mlflow",
+        "Deployment/mlflow-db",
+    }
+    assert network_problems(docs) == []
+    # The platform alone admits no pipeline pods: no pipeline namespace to admit.
+    assert not any(
+        "namespaceSelector" in peer and peer.get("podSelector", {}).get("matchLabels") == PIPELINE_POD_LABEL
+        for policy in find(rendered("base"), "NetworkPolicy")
+        for rule in policy["spec"]["ingress"]
+        for peer in rule["from"]
+    )
+
+
+def test_ray_token_authentication() -> None:
+    base = rendered("base")
+    cluster = one(base, "RayCluster")
+    assert cluster["spec"]["authOptions"] == {"mode": "token", "secretName": "drmas-ray-token"}
+    assert tuple(int(x) for x in cluster["spec"]["rayVersion"].split(".")) >= (2, 52, 0), "KubeRay's minimum"
+    for _, template in ray_cluster_templates("ray", cluster["spec"]):
+        env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+        assert env["RAY_AUTH_MODE"] == {"name": "RAY_AUTH_MODE", "value": "token"}
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "drmas-ray-token", "key": "auth_token"}
+    assert ray_auth_problems(base) == []
+
+
+def test_each_secret_reaches_only_the_pods_that_use_it() -> None:
+    docs = rendered("object-store") + rendered("jobs")
+    holders = {
+        name: sorted(where for where, template, _ in all_templates(docs) if name in _secret_refs(template))
+        for name in SECRET_USERS
+    }
+    assert holders == {
+        "drmas-s3": [
+            "Deployment/mlflow",
+            "RayCluster/drmas-raycluster/gpu",
+            "RayCluster/drmas-raycluster/head",
+            "StatefulSet/seaweedfs",
+        ],
+        "drmas-mlflow-db": ["Deployment/mlflow", "Deployment/mlflow-db"],
+        "drmas-ray-token": ["RayCluster/drmas-raycluster/gpu", "RayCluster/drmas-raycluster/head"],
+    }
+    assert secret_user_problems(docs) == []
 
 
 def test_object_store_serves_the_drmas_bucket() -> None:
@@ -610,7 +1192,7 @@ def test_object_store_serves_the_drmas_bucket() -> None:
     assert endpoint.port == int(args["-s3.port"]) in {p["port"] for p in service["spec"]["ports"]}
     env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]}
     assert env["AWS_ACCESS_KEY_ID"] == {"name": "drmas-s3", "key": "AWS_ACCESS_KEY_ID"}
-    policy = one(store, "NetworkPolicy")
+    policy = one(store, "NetworkPolicy", "seaweedfs-s3-only")
     assert [p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]] == [endpoint.port]
 
 
@@ -677,7 +1259,7 @@ def _latest_image(docs: list[dict]) -> None:
 
 
 def _real_looking_secret(docs: list[dict]) -> None:
-    one(docs, "Secret", "drmas-s3")["stringData"]["AWS_SECRET_ACCESS_KEY"] = "wJalrXUtnFEMI/K7MDENG"
+    find(docs, "Secret", "drmas-s3")[0]["stringData"]["AWS_SECRET_ACCESS_KEY"] = "wJalrXUtnFEMI/K7MDENG"
 
 
 def _list_secrets(docs: list[dict]) -> None:
@@ -709,6 +1291,123 @@ def _autoscaler_unbounded(docs: list[dict]) -> None:
     del one(docs, "RayCluster")["spec"]["autoscalerOptions"]["resources"]
 
 
+def _launcher(docs: list[dict]) -> dict:
+    return one(docs, "ConfigMap", LAUNCHER_CONFIGMAP)["data"]
+
+
+def _edit_providers(docs: list[dict], edit: Callable[[dict], None]) -> None:
+    providers = yaml.safe_load(_launcher(docs)["providers"])
+    edit(providers["s3"]["default"])
+    _launcher(docs)["providers"] = yaml.safe_dump(providers)
+
+
+def _launcher_on_minio(docs: list[dict]) -> None:
+    _launcher(docs)["defaultPipelineRoot"] = "minio://mlpipeline/v2/artifacts"
+
+
+def _launcher_without_s3(docs: list[dict]) -> None:
+    del _launcher(docs)["providers"]
+
+
+def _launcher_field_misspelled(docs: list[dict]) -> None:
+    def edit(default: dict) -> None:
+        ref = default["credentials"]["secretRef"]
+        ref["secretKey"] = ref.pop("secretKeyKey")
+
+    _edit_providers(docs, edit)
+
+
+def _launcher_from_env(docs: list[dict]) -> None:
+    _edit_providers(docs, lambda default: default["credentials"].update(fromEnv=True))
+
+
+def _launcher_missing_key(docs: list[dict]) -> None:
+    _edit_providers(docs, lambda default: default["credentials"]["secretRef"].update(accessKeyKey="accesskey"))
+
+
+def _launcher_elsewhere(docs: list[dict]) -> None:
+    _edit_providers(docs, lambda default: default.update(endpoint="minio-service.kubeflow:9000", disableSSL=True))
+
+
+def _launcher_secret_unreadable(docs: list[dict]) -> None:
+    _edit_providers(docs, lambda default: default["credentials"]["secretRef"].update(secretName="drmas-ray-token"))
+    secret = next(s for s in find(docs, "Secret", "drmas-ray-token") if key(s)[2] == "kubeflow")
+    secret["stringData"].update(AWS_ACCESS_KEY_ID=PLACEHOLDER, AWS_SECRET_ACCESS_KEY=PLACEHOLDER)
+
+
+def _delete_task_results(docs: list[dict]) -> None:
+    one(docs, "Role")["rules"][2]["verbs"].append("delete")
+
+
+def _patch_workflows(docs: list[dict]) -> None:
+    one(docs, "Role")["rules"].append({"apiGroups": ["argoproj.io"], "resources": ["workflows"], "verbs": ["patch"]})
+
+
+def _task_results_and_pods(docs: list[dict]) -> None:
+    one(docs, "Role")["rules"][2]["resources"].append("pods")
+
+
+def _bind_an_unknown_account(docs: list[dict]) -> None:
+    one(docs, "RoleBinding")["subjects"][0]["name"] = "pipeline-runner"
+
+
+def _bind_across_namespaces(docs: list[dict]) -> None:
+    one(docs, "RoleBinding")["subjects"][0]["namespace"] = "drmas"
+
+
+def _ray_workers_unguarded(docs: list[dict]) -> None:
+    docs.remove(one(docs, "NetworkPolicy", "drmas-raycluster"))
+
+
+def _ray_open_rule(docs: list[dict]) -> None:
+    del one(docs, "NetworkPolicy", "drmas-raycluster-from-kubeflow")["spec"]["ingress"][0]["from"]
+
+
+def _pipeline_pods_on_every_port(docs: list[dict]) -> None:
+    del one(docs, "NetworkPolicy", "drmas-raycluster-from-kubeflow")["spec"]["ingress"][0]["ports"]
+
+
+def _mlflow_to_a_whole_namespace(docs: list[dict]) -> None:
+    peer = one(docs, "NetworkPolicy", "mlflow-from-kubeflow")["spec"]["ingress"][0]["from"][0]
+    del peer["podSelector"]
+
+
+def _pipeline_namespace_renamed(docs: list[dict]) -> None:
+    for doc in docs:
+        if doc["kind"] != "NetworkPolicy" and doc["metadata"].get("namespace") == "kubeflow":
+            doc["metadata"]["namespace"] = "team-a"
+    one(docs, "RoleBinding")["subjects"][0]["namespace"] = "team-a"
+
+
+def _s3_to_the_database(docs: list[dict]) -> None:
+    _container(docs, "Deployment", "mlflow-db")["envFrom"] = [{"secretRef": {"name": "drmas-s3"}}]
+
+
+def _ray_without_auth(docs: list[dict]) -> None:
+    del one(docs, "RayCluster")["spec"]["authOptions"]
+
+
+def _ray_worker_without_token(docs: list[dict]) -> None:
+    container = _worker(docs)["template"]["spec"]["containers"][0]
+    container["env"] = [e for e in container["env"] if e["name"] != "RAY_AUTH_TOKEN"]
+
+
+def _ray_auth_disabled(docs: list[dict]) -> None:
+    env = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    next(e for e in env if e["name"] == "RAY_AUTH_MODE")["value"] = "disabled"
+
+
+def _short_service_name(docs: list[dict]) -> None:
+    _edit_providers(docs, lambda default: default.update(endpoint="mlflow:5000", disableSSL=True))
+    secret = next(s for s in find(docs, "Secret", "drmas-s3") if key(s)[2] == "kubeflow")
+    secret["stringData"]["AWS_ENDPOINT_URL"] = "http://mlflow:5000"
+
+
+def _partly_qualified(docs: list[dict]) -> None:
+    secret = next(s for s in find(docs, "Secret", "drmas-s3") if key(s)[2] == "drmas")
+    secret["stringData"]["AWS_ENDPOINT_URL"] = "http://seaweedfs.drmas.svc:8333"
+
+
 BREAKAGES: dict[str, tuple[Callable[[list[dict]], None], str]] = {
     "RayCluster field misspelled": (_misspell_worker_groups, "'workerGroupSpec' was unexpected"),
     "field misspelled inside a Ray pod template": (
@@ -728,13 +1427,39 @@ BREAKAGES: dict[str, tuple[Callable[[list[dict]], None], str]] = {
     "autoscaler sidecar without resources": (_autoscaler_unbounded, "autoscaler: no resources"),
     "API token mounted where no API is used": (_mount_an_unused_token, "mounts a ServiceAccount token it never uses"),
     "MLflow on a file store": (_mlflow_file_store, "not a database"),
+    "launcher falls back to minio://mlpipeline": (_launcher_on_minio, "is not s3://"),
+    "launcher without an s3 provider": (_launcher_without_s3, "no providers.s3.default"),
+    "launcher field misspelled": (_launcher_field_misspelled, "unknown field 'secretKey'"),
+    "launcher credentials from its environment": (_launcher_from_env, "fromEnv is not false"),
+    "launcher names a missing secret key": (_launcher_missing_key, "'accesskey' is missing"),
+    "launcher and steps on different stores": (_launcher_elsewhere, "disagrees with"),
+    "launcher secret the Role does not grant": (_launcher_secret_unreadable, "lets the launcher get"),
+    "delete on workflowtaskresults": (_delete_task_results, "['delete'] not allowed"),
+    "patch on workflows": (_patch_workflows, "['patch'] not allowed"),
+    "executor grant stretched to pods": (_task_results_and_pods, "not allowed"),
+    "binding to an account that is not there": (_bind_an_unknown_account, "is not a ServiceAccount here"),
+    "binding to another namespace's account": (_bind_across_namespaces, "subject namespace drmas"),
+    "Ray workers behind no policy": (_ray_workers_unguarded, "gpu: open to every pod"),
+    "Ray rule without sources": (_ray_open_rule, "admits every source"),
+    "pipeline pods on every Ray port": (_pipeline_pods_on_every_port, "on every port"),
+    "MLflow open to a whole namespace": (_mlflow_to_a_whole_namespace, "(no podSelector)"),
+    "pipeline namespace the policies do not admit": (
+        _pipeline_namespace_renamed,
+        "pipeline pods in team-a cannot reach",
+    ),
+    "S3 secret in a pod that does not use it": (_s3_to_the_database, "mlflow-db: gets secret drmas-s3"),
+    "Ray without token authentication": (_ray_without_auth, "no token authentication"),
+    "Ray worker without the token": (_ray_worker_without_token, "gpu: RAY_AUTH_TOKEN does not come from"),
+    "Ray authentication disabled": (_ray_auth_disabled, "RAY_AUTH_MODE is not token"),
+    "Service of another namespace by its short name": (_short_service_name, "mlflow names a Service of another"),
+    "Service name not fully qualified": (_partly_qualified, "not fully qualified"),
 }
 
 
 @pytest.mark.parametrize("breakage", sorted(BREAKAGES))
 def test_a_broken_manifest_fails(breakage: str) -> None:
     break_it, expected = BREAKAGES[breakage]
-    docs = rendered("base")
+    docs = rendered("base", "kfp-standalone")
     break_it(docs)
     found = problems(docs)
     assert any(expected in problem for problem in found), found
