@@ -948,7 +948,10 @@ def test_raycluster_is_the_pool_drmas_schedules_on() -> None:
     for config in gpu_configs():
         address = urlparse(config["ray"]["address"])
         assert address.scheme == "ray" and address.port in ports
-        assert address.hostname == f"{cluster['metadata']['name']}-head-svc"
+        # The head Service, by its short name or (pipeline steps run in other namespaces)
+        # fully qualified.
+        service = f"{cluster['metadata']['name']}-head-svc"
+        assert address.hostname in (service, f"{service}.{cluster['metadata']['namespace']}.svc.cluster.local")
         slots_per_pod = advertised[pool_resource] if config["ray"]["pool_resource"] == pool_resource else gpus
         assert config["ray"]["pool_size"] <= group["maxReplicas"] * slots_per_pod
     assert GPU_CONFIGS, "the GPU configs are what the cluster is for"
