@@ -171,6 +171,37 @@ def test_the_command_binds_loopback_by_default_and_names_a_bad_corpus(tmp_path, 
     assert f"{tmp_path / 'missing.jsonl'}: file not found" in capsys.readouterr().err
 
 
+def test_drmas_serve_retrieval_is_the_command(tmp_path, corpus_file, passages, capsys):
+    """`drmas serve-retrieval` hands its arguments to the service's command: --help names
+    it, --build-only works through it, a missing corpus exits 1 naming the file."""
+    from drmas.cli import main as drmas
+
+    with pytest.raises(SystemExit) as help_exit:
+        drmas(["serve-retrieval", "--help"])
+    assert help_exit.value.code == 0 and "usage: drmas serve-retrieval" in capsys.readouterr().out
+    assert drmas(["serve-retrieval", "--corpus", str(corpus_file), "--store", str(tmp_path), "--build-only"]) == 0
+    assert f"corpus hash {Retriever.corpus_hash(passages)}" in capsys.readouterr().out
+    assert drmas(["serve-retrieval", "--corpus", str(tmp_path / "none.jsonl"), "--store", str(tmp_path)]) == 1
+    assert f"{tmp_path / 'none.jsonl'}: file not found" in capsys.readouterr().err
+
+
+def test_a_resumed_run_may_move_its_search_to_a_service_but_not_change_it(tmp_path):
+    """Where the search is served may change on resume (the service checks its corpus);
+    what it searches (top-k) may not."""
+    from drmas.runner import open_run
+
+    config = search_config(tmp_path)
+    store = Store(str(tmp_path / "store"))
+    open_run(config, store, "r", resume=False)
+    served = config.model_copy(
+        update={"task": config.task.model_copy(update={"retrieval_url": "http://127.0.0.1:9", "retrieval_retries": 1})}
+    )
+    assert open_run(served, store, "r", resume=True) is served
+    other = config.model_copy(update={"task": config.task.model_copy(update={"retrieval_top_k": 5})})
+    with pytest.raises(ConfigError, match="task.retrieval_top_k"):
+        open_run(other, store, "r", resume=True)
+
+
 def test_build_only_caches_the_index_and_prints_the_hash_to_pin(tmp_path, corpus_file, passages, capsys):
     store = tmp_path / "store"
     assert main(["--corpus", str(corpus_file), "--store", str(store), "--build-only"]) == 0

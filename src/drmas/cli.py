@@ -23,6 +23,9 @@ examples:
                                           compile it and start a run on Kubeflow Pipelines
     drmas run CONFIG --via kfp-local [--force STAGE]
                                           run that pipeline with kfp.local on this machine
+    drmas serve-retrieval --corpus FILE --store ROOT [--host H --port P]
+                                          serve a search corpus (BM25) over HTTP for
+                                          task.retrieval_url
 
 Pipelines (compile, submit, run --via kfp-local) take --run-id, --start-iteration K (start
 from the checkpoint of iteration K-1), --checkpoint URI and --force STAGE[@I] (recompute
@@ -159,6 +162,19 @@ def main(argv: list[str] | None = None) -> int:
     submit_cmd.add_argument("-o", "--output", help="also keep the compiled pipeline here")
     _pipeline_options(submit_cmd)
 
+    # The service's command parses its own arguments (drmas.tasks.retrieval_service.main).
+    commands.add_parser(
+        "serve-retrieval",
+        add_help=False,
+        help="serve a search corpus over HTTP for every rollout and evaluation (drmas serve-retrieval --help)",
+    )
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve-retrieval"]:
+        from drmas.tasks.retrieval_service import main as serve  # noqa: PLC0415
+
+        logging.getLogger("bm25s").setLevel(logging.WARNING)
+        return serve(argv[1:])
+
     args, extra = parser.parse_known_args(argv)
     # Overrides may also follow options (`--resume ID experiment.iterations=4`).
     if any("=" not in item or item.startswith("-") for item in extra) or (extra and not hasattr(args, "overrides")):
@@ -242,12 +258,14 @@ def _fail(command: str, message: object, status: int = 1) -> int:
 def _stopping_errors() -> tuple[type[Exception], ...]:
     """What stops a training command with a message rather than a traceback: bad input or
     a damaged store (ValueError, StoreError), an MLflow server that cannot open the run,
-    a worker group whose actor kept dying."""
+    a worker group whose actor kept dying, a retrieval service that is down or serves
+    another corpus."""
     from drmas.generation.pool import WorkerGroupDied  # noqa: PLC0415
     from drmas.infra.store import StoreError  # noqa: PLC0415
     from drmas.infra.tracking import TrackingUnavailable  # noqa: PLC0415
+    from drmas.tasks.retrieval_service import RetrievalError  # noqa: PLC0415
 
-    return StoreError, ValueError, TrackingUnavailable, WorkerGroupDied
+    return StoreError, ValueError, TrackingUnavailable, WorkerGroupDied, RetrievalError
 
 
 def _underlying(error: object) -> object:

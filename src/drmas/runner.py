@@ -29,6 +29,7 @@ from drmas.infra.store import Store, iteration_path
 from drmas.stages.advantage import advantage
 from drmas.stages.checkpoint import checkpoint, resume_point
 from drmas.stages.contracts import (
+    RETRIEVAL_SERVICE_FIELDS,
     AdvantageContract,
     CheckpointContract,
     EvaluateContract,
@@ -59,7 +60,8 @@ def open_run(config: DrmasConfig, store: Store, run_id: str, resume: bool) -> Dr
 
     Only ``experiment.iterations`` may change on resume (to extend a run), and where the
     run is stored and tracked (``store.*``, ``tracking.*``: a store moved or reached through
-    another endpoint is the same run); anything else would make the resumed run a
+    another endpoint is the same run) and its search served (``task.retrieval_url`` and
+    its client settings: the service checks that it serves the same corpus); anything else would make the resumed run a
     different run, so it is refused with the fields named.
     """
     path = f"{run_path(config.experiment.name, run_id)}/run"
@@ -85,7 +87,8 @@ def open_run(config: DrmasConfig, store: Store, run_id: str, resume: bool) -> Dr
 
 
 def _may_change_on_resume(key: str) -> bool:
-    return key == "experiment.iterations" or key.startswith(("store.", "tracking."))
+    """The run's length, where it is stored and tracked, and where its search is served."""
+    return key in ("experiment.iterations", *RETRIEVAL_SERVICE_FIELDS) or key.startswith(("store.", "tracking."))
 
 
 @dataclass
