@@ -234,3 +234,29 @@ def test_a_worker_killed_mid_update_is_rebuilt_and_the_update_equals_an_undistur
     found, stderr = _drive(KILLED_MID_UPDATE, two_nodes, tmp_path, overrides)
     assert found == {"died": True, "restarts": 1, "worlds": [[0, 2], [1, 2]], "same_policy": True}
     assert "a worker died during the update; rebuilding its 2 worker(s)" in stderr
+
+
+def test_a_local_ray_runs_without_authentication_and_a_cluster_keeps_its_own(monkeypatch, tmp_path):
+    """A local Ray (loopback only) starts with RAY_AUTH_MODE=disabled; joining a cluster
+    (ray.address) sets nothing, so a pod's RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (from the
+    drmas-ray-token Secret) reach Ray. ``ray.init`` is recorded, not called: a stand-in at
+    the boundary, as no token-protected cluster runs here."""
+    import ray
+
+    from drmas.config import load_config
+    from drmas.generation import pool
+
+    calls: list[tuple[dict, str | None]] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append((kwargs, os.environ.get("RAY_AUTH_MODE"))))
+    monkeypatch.setattr(pool, "_keep_local_ray_on_loopback", lambda: None)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cluster = load_config(ROOT / "configs" / "math_tiny.yaml", ["ray.address=ray://head.drmas.svc.cluster.local:10001"])
+    assert pool.connect_ray(cluster)
+    assert calls[-1] == ({"address": "ray://head.drmas.svc.cluster.local:10001", "log_to_driver": False}, None)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert pool.connect_ray(cluster) and calls[-1][1] == "token"
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    assert pool.connect_ray(load_config(ROOT / "configs" / "math_tiny.yaml"), tmp_path)
+    assert "address" not in calls[-1][0] and calls[-1][1] == "disabled"

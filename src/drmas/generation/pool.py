@@ -78,10 +78,11 @@ NAMESPACE = "drmas"
 
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_AUTH_MODE": "disabled",
     # Ray starts workers at nice 15; the generating actors ARE the work, not background.
     "RAY_worker_niceness": "0",
 }
+LOCAL_AUTH = ("RAY_AUTH_MODE", "disabled")
+"""A local Ray's authentication (off); a cluster's is left to its settings."""
 LOOPBACK_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 """Set to 0, a local Ray binds every server to 127.0.0.1 (Ray reads it when imported)."""
 
@@ -100,7 +101,11 @@ def connect_ray(config: DrmasConfig, temp_dir: Path | None = None) -> bool:
         os.environ.setdefault(key, value)
     address = config.ray.address or os.environ.get(RAY_ADDRESS)
     if not config.ray.address:
+        # A Ray of this machine, on loopback only: no token to hand around. A cluster's
+        # authentication is the cluster's (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN from the
+        # drmas-ray-token Secret on the pods that drive the pool).
         os.environ.setdefault(LOOPBACK_ONLY, "0")
+        os.environ.setdefault(LOCAL_AUTH[0], LOCAL_AUTH[1])
     import ray  # noqa: PLC0415
 
     if ray.is_initialized():
