@@ -12,6 +12,9 @@
 #   DRMAS_PLATFORM    target platform (default linux/amd64)
 #   CONTAINER_ENGINE  docker (buildx) or podman (default: whichever is found first)
 #   DRMAS_DRY_RUN=1   print the build command and the reference, build nothing
+#   DRMAS_LAST_BUILD  the record of the last build per flavor (default images/.last-build):
+#                     a line `FLAVOR REFERENCE pushed|local` that `drmas compile|submit` read
+#                     for the images the pipeline runs (unless --image-registry/--image-tag)
 #
 # Build context: the repository root, trimmed by images/Dockerfile.<flavor>.dockerignore.
 set -euo pipefail
@@ -35,6 +38,7 @@ registry="${DRMAS_REGISTRY:-ghcr.io/drmas}"
 registry="${registry%/}"
 platform="${DRMAS_PLATFORM:-linux/amd64}"
 push="${DRMAS_PUSH:-0}"
+record="${DRMAS_LAST_BUILD:-$root/images/.last-build}"
 
 version="$(sed -n 's/^version *= *"\([^"]*\)".*/\1/p' "$root/pyproject.toml" | head -n 1)"
 [[ -n "$version" ]] || { echo "build.sh: no version in pyproject.toml" >&2; exit 1; }
@@ -138,4 +142,12 @@ echo "build.sh: building $image with $engine" >&2
 if [[ "$engine" == podman && "$push" == "1" ]]; then
     podman push "$image" >&2
 fi
+# Record what was built, one line per flavor (the other flavor's line is kept).
+state=local
+[[ "$push" == "1" ]] && state=pushed
+{
+    [[ -f "$record" ]] && grep -v "^$flavor " "$record" || true
+    echo "$flavor $image $state"
+} > "$record.tmp"
+mv "$record.tmp" "$record"
 echo "$image"

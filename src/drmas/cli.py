@@ -21,6 +21,7 @@ examples:
                                           compile the Kubeflow pipeline of this config
     drmas submit CONFIG [a.b=value ...] --host URL [--experiment NAME] [--run-name NAME]
                                           compile it and start a run on Kubeflow Pipelines
+                                          (a long run in parts of --iterations-per-run)
     drmas run CONFIG --via kfp-local [--force STAGE]
                                           run that pipeline with kfp.local on this machine
     drmas serve-retrieval --corpus FILE --store ROOT [--host H --port P]
@@ -29,7 +30,8 @@ examples:
 
 Pipelines (compile, submit, run --via kfp-local) take --run-id, --start-iteration K (start
 from the checkpoint of iteration K-1), --checkpoint URI and --force STAGE[@I] (recompute
-that stage even where a cached result exists; repeatable).
+that stage even where a cached result exists; repeatable). compile and submit take
+--image-registry/--image-tag (default: the last images/build.sh) and --kfp-backend.
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     _config_arguments(compile_cmd)
     compile_cmd.add_argument("-o", "--output", required=True, help="where to write the compiled pipeline (YAML)")
     _pipeline_options(compile_cmd)
+    _cluster_options(compile_cmd)
 
     submit_cmd = commands.add_parser("submit", help="compile the Kubeflow pipeline of a config and start a run")
     _config_arguments(submit_cmd)
@@ -157,10 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     submit_cmd.add_argument(
         "--service-account",
         default=None,
-        help="the steps' ServiceAccount (default: drmas-pipeline; '' for the namespace default)",
+        help="the steps' ServiceAccount (default: drmas-pipeline, or with --namespace '': the namespace's "
+        "default-editor; '' for the namespace default)",
     )
-    submit_cmd.add_argument("-o", "--output", help="also keep the compiled pipeline here")
+    submit_cmd.add_argument("-o", "--output", help="also keep the compiled pipeline here (the first part's)")
     _pipeline_options(submit_cmd)
+    _cluster_options(submit_cmd)
 
     # The service's command parses its own arguments (drmas.tasks.retrieval_service.main).
     commands.add_parser(
@@ -627,8 +632,17 @@ def _pipeline_options(command: argparse.ArgumentParser, run_id: bool = True) -> 
     )
 
 
-def _build_pipeline(args: argparse.Namespace, config: DrmasConfig, run_id: str):
-    """The pipeline named by --pipeline, and its arguments; None after printing a problem."""
+def _build_pipeline(
+    args: argparse.Namespace,
+    config: DrmasConfig,
+    run_id: str,
+    images: dict[str, str] | None = None,
+    start: int | None = None,
+    iterations: int | None = None,
+    checkpoint: str | None = None,
+):
+    """The pipeline named by --pipeline, and its arguments (--start-iteration, --iterations,
+    --checkpoint unless given here); None after printing a problem."""
     try:
         from drmas_kfp.pipelines.build import build_pipeline  # noqa: PLC0415 - kfp only for these commands
     except ImportError as error:
@@ -640,7 +654,14 @@ def _build_pipeline(args: argparse.Namespace, config: DrmasConfig, run_id: str):
         return None
     try:
         return build_pipeline(
-            args.pipeline, config, run_id, args.start_iteration, args.checkpoint, args.force, args.iterations
+            args.pipeline,
+            config,
+            run_id,
+            args.start_iteration if start is None else start,
+            args.checkpoint if checkpoint is None else checkpoint,
+            args.force,
+            args.iterations if iterations is None else iterations,
+            images=images,
         )
     except ValueError as error:
         _fail(args.command, error)
@@ -648,7 +669,73 @@ def _build_pipeline(args: argparse.Namespace, config: DrmasConfig, run_id: str):
 
 
 LARGE_PIPELINE = 1 << 20
-"""Compiled pipelines above this size get a warning at submission (see --iterations)."""
+"""Compiled pipelines above this size get a warning (KFP keeps a run's whole spec)."""
+ITERATIONS_PER_RUN = 10
+"""The most iterations ``drmas submit`` puts in one KFP run (about 37 KiB of spec each)."""
+
+
+def _cluster_options(command: argparse.ArgumentParser) -> None:
+    """The options of compile and submit only: the images, the KFP backend, the parts."""
+    command.add_argument(
+        "--image-registry",
+        metavar="REGISTRY",
+        help="registry and namespace of the drmas images, e.g. registry.example.com/ml (default: that of the last "
+        "images/build.sh, recorded in images/.last-build)",
+    )
+    command.add_argument(
+        "--image-tag", metavar="TAG", help="tag of the drmas images (default: that of the last images/build.sh)"
+    )
+    command.add_argument(
+        "--kfp-backend",
+        metavar="VERSION",
+        default="2.15",
+        help="the Kubeflow Pipelines version the pipeline runs on (default 2.15; 2.3 or later: older versions get "
+        "a spec without the fields they do not know, and the drmas-s3 secret must then hold AWS_ENDPOINT_URL)",
+    )
+    command.add_argument(
+        "--iterations-per-run",
+        type=int,
+        default=ITERATIONS_PER_RUN,
+        metavar="N",
+        help=f"train: at most N iterations in one KFP run (default {ITERATIONS_PER_RUN}; 0: no limit); submit "
+        "starts the first part and prints the command of each next one, compile warns above it",
+    )
+
+
+def _parts(args: argparse.Namespace, config: DrmasConfig) -> list[tuple[int, int]]:
+    """(first iteration, iterations) of each KFP run a train submission takes."""
+    start = args.start_iteration
+    total = config.experiment.iterations
+    end = total if args.iterations is None else min(total, start + args.iterations)
+    size = args.iterations_per_run
+    if args.pipeline != "train" or size <= 0 or end - start <= size or start >= end:
+        return [(start, args.iterations)] if args.pipeline == "train" else [(start, 0)]
+    return [(first, min(size, end - first)) for first in range(start, end, size)]
+
+
+def _next_part_command(
+    args: argparse.Namespace, run_id: str, images: dict[str, str], first: int, count: int, part: str
+) -> str:
+    """The exact `drmas submit` of a later part: the same config, overrides and options,
+    the run id and images pinned (a later build does not change a run's images)."""
+    import shlex  # noqa: PLC0415
+
+    words = ["drmas", "submit", args.config, *args.overrides, "--host", args.host, "--run-id", run_id]
+    words += ["--start-iteration", str(first), "--iterations", str(count)]
+    words += ["--iterations-per-run", str(args.iterations_per_run)]
+    registries = {reference.rpartition(":")[0].rpartition("/")[0] for reference in images.values()}
+    tags = {reference.rpartition(":")[2] for reference in images.values()}
+    if len(registries) == 1 and len(tags) == 1:
+        words += ["--image-registry", registries.pop(), "--image-tag", tags.pop()]
+    if args.kfp_backend != "2.15":
+        words += ["--kfp-backend", args.kfp_backend]
+    for option in ("experiment", "namespace", "service_account"):
+        if getattr(args, option) is not None:
+            words += [f"--{option.replace('_', '-')}", getattr(args, option)]
+    words += ["--run-name", f"{args.run_name or run_id} {part}"]
+    for item in args.force:
+        words += ["--force", item]
+    return shlex.join(words)
 
 
 def _compile_or_submit(args: argparse.Namespace) -> int:
@@ -658,21 +745,79 @@ def _compile_or_submit(args: argparse.Namespace) -> int:
     if (refused := _refuse_unless_it_fits(args.command, config)) is not None:
         return refused
     run_id = _run_id(args, config)
-    built = _build_pipeline(args, config, run_id)
+    try:
+        from drmas_kfp.components.images import resolve_images  # noqa: PLC0415
+        from drmas_kfp.pipelines.platform import check_backend, for_backend  # noqa: PLC0415
+    except ImportError:
+        resolve_images = None  # _build_pipeline says why
+    if resolve_images is not None:
+        try:
+            check_backend(args.kfp_backend)
+            resolved = resolve_images(args.image_registry, args.image_tag)
+        except ValueError as error:
+            return _fail(args.command, error)
+        for warning in resolved.warnings:
+            print(f"drmas {args.command}: warning: {warning}", file=sys.stderr)
+        images = resolved.images
+    else:
+        images = {}
+    if args.iterations_per_run < 0:
+        return _fail(args.command, f"--iterations-per-run must be 0 (no limit) or more, not {args.iterations_per_run}")
+    parts = _parts(args, config) if args.command == "submit" else [(args.start_iteration, args.iterations)]
+    first, count = parts[0]
+    built = _build_pipeline(args, config, run_id, images, first, count if len(parts) > 1 else None)
     if built is None:
         return 2
     func, arguments = built
     from drmas_kfp.pipelines.build import compile_pipeline  # noqa: PLC0415
 
     what = f"{args.pipeline} pipeline {func.name}"
+
+    def compile_for_backend(path: Path) -> Path | None:
+        compile_pipeline(func, path)
+        try:
+            changes = for_backend(path, args.kfp_backend)
+        except ValueError as error:
+            _fail(args.command, error)
+            return None
+        for change in changes:
+            print(f"drmas {args.command}: for KFP {args.kfp_backend}: {change}", file=sys.stderr)
+        return path
+
+    def warn_if_large(path: Path, iterations: int) -> None:
+        if args.iterations_per_run and iterations > args.iterations_per_run:
+            print(
+                f"drmas {args.command}: warning: the pipeline runs {iterations} iterations, more than "
+                f"--iterations-per-run {args.iterations_per_run}; KFP keeps a run's whole spec (its database, "
+                "the Argo workflow in etcd: 1.5 MiB): drmas submit runs it in parts, or compile parts with "
+                "--start-iteration K --iterations N",
+                file=sys.stderr,
+            )
+        elif path.stat().st_size > LARGE_PIPELINE:
+            print(
+                f"drmas {args.command}: warning: the compiled pipeline is {path.stat().st_size >> 20} MiB; "
+                "KFP keeps a run's whole spec (its database, the Argo workflow in etcd: 1.5 MiB): run it in "
+                "parts with --iterations N and --start-iteration K",
+                file=sys.stderr,
+            )
+
+    total = config.experiment.iterations
+    iterations = (
+        (min(total, first + count) if count else total) - first
+        if args.pipeline == "train"
+        else int(args.pipeline == "rl_iteration")
+    )
     if args.command == "compile":
-        path = compile_pipeline(func, args.output)
+        if compile_for_backend(Path(args.output)) is None:
+            return 2
+        path = Path(args.output)
+        warn_if_large(path, iterations)
         print(f"compiled the {what} to {path}")
         print(
             f"parameters: {', '.join(f'{k}={v}' for k, v in arguments.items() if k != 'config_json')} (and config_json)"
         )
         return 0
-    from drmas_kfp.pipelines.submit import SERVICE_ACCOUNT, submit  # noqa: PLC0415
+    from drmas_kfp.pipelines.submit import submit  # noqa: PLC0415
 
     if not config.store.root.startswith("s3://"):
         print(
@@ -680,27 +825,44 @@ def _compile_or_submit(args: argparse.Namespace) -> int:
             "see it only if it is a volume mounted there (use s3://bucket/prefix)",
             file=sys.stderr,
         )
+    part = f"iterations {first}..{first + iterations - 1} (part 1/{len(parts)})" if len(parts) > 1 else ""
     with tempfile.TemporaryDirectory() as scratch:
-        path = compile_pipeline(func, args.output or Path(scratch) / "pipeline.yaml")
-        if path.stat().st_size > LARGE_PIPELINE:
-            print(
-                f"drmas submit: warning: the compiled pipeline is {path.stat().st_size >> 20} MiB; "
-                "KFP keeps a run's whole "
-                "spec (its database, the Argo workflow in etcd: 1.5 MiB): submit it in parts with "
-                "--iterations N and --start-iteration K",
-                file=sys.stderr,
+        path = compile_for_backend(Path(args.output) if args.output else Path(scratch) / "pipeline.yaml")
+        if path is None:
+            return 2
+        warn_if_large(path, iterations)
+        if len(parts) > 1:
+            name = f"{args.run_name or run_id} {part}"
+        else:
+            name = args.run_name or f"{run_id} {args.pipeline}" + (
+                f" (force {', '.join(args.force)})" if args.force else ""
             )
-        name = args.run_name or f"{run_id} {args.pipeline}" + (
-            f" (force {', '.join(args.force)})" if args.force else ""
-        )
-        account = SERVICE_ACCOUNT if args.service_account is None else args.service_account
-        try:
+        try:  # service account None: drmas-pipeline, or in a Profile namespace its default-editor
             kfp_run, url = submit(
-                path, args.host, arguments, args.experiment or config.experiment.name, name, args.namespace, account
+                path,
+                args.host,
+                arguments,
+                args.experiment or config.experiment.name,
+                name,
+                args.namespace,
+                args.service_account,
             )
         except Exception as error:
             return _fail("submit", f"could not start the run on {args.host}: {type(error).__name__}: {error}")
-    print(f"submitted the {what} as KFP run {kfp_run} (drmas run {run_id}): {url}")
+    if len(parts) == 1:
+        print(f"submitted the {what} as KFP run {kfp_run} (drmas run {run_id}): {url}")
+        return 0
+    print(f"submitted {part} of the {what} as KFP run {kfp_run} (drmas run {run_id}): {url}")
+    print(
+        f"the run has {sum(count for _, count in parts)} iterations, more than --iterations-per-run "
+        f"{args.iterations_per_run}: KFP keeps a run's whole spec, and cannot start a run when another ends. "
+        "Each next part starts from the checkpoint of the part before it: submit it once the KFP run before "
+        "it has succeeded:"
+    )
+    for index, (start, size) in enumerate(parts[1:], start=2):
+        label = f"iterations {start}..{start + size - 1} (part {index}/{len(parts)})"
+        print(f"  # {label}")
+        print(f"  {_next_part_command(args, run_id, images, start, size, label)}")
     return 0
 
 

@@ -17,7 +17,9 @@ it changes every task's cache key) and the drmas run id as ``run_id``; the struc
 worker groups, the iterations) is the compiled config's. The stage outputs
 go to ``{store.root}/{experiment}/{run_id}/...`` as with ``drmas run``. ``force`` names
 stages to recompute in this run: their tasks get caching off and ``force=True`` (see
-``parse_force``). Every task is placed by ``pipelines.platform`` (``placement_for``).
+``parse_force``). Every task is placed by ``pipelines.platform`` (``placement_for``) and
+runs the image of its flavor (``images``: {"cpu": ..., "gpu": ...}, default the
+components' ``base_image``), set per task with ``PipelineTask.set_container_image``.
 
 The train and rl_iteration pipelines log to MLflow as ``drmas run`` does, from small CPU
 steps beside the stages (``components.track``): ``mlflow: start`` (opens the run, links
@@ -36,7 +38,7 @@ from kfp.dsl import Dataset, Model, PipelineTask
 from drmas.config import DrmasConfig
 from drmas.infra.layout import stage_path
 from drmas_kfp import components
-from drmas_kfp.pipelines.platform import Placement, place, placement_for
+from drmas_kfp.pipelines.platform import GPU_STAGES, Placement, place, placement_for
 
 __all__ = [
     "PIPELINES",
@@ -118,8 +120,11 @@ def evaluation_due(config: DrmasConfig, iteration: int) -> bool:
 class _Builder:
     """Creates the tasks of one pipeline: placed, named, and forced where asked."""
 
-    def __init__(self, config: DrmasConfig, force: Force, placement: PlacementRule) -> None:
+    def __init__(
+        self, config: DrmasConfig, force: Force, placement: PlacementRule, images: dict[str, str] | None = None
+    ) -> None:
         self.config, self.force, self.placement = config, force, placement
+        self.images = {**components.IMAGES, **(images or {})}
         self.groups = [group.name for group in config.worker_groups()]
         if len(self.groups) > components.MAX_WORKER_GROUPS:
             raise ValueError(
@@ -129,6 +134,7 @@ class _Builder:
     def task(self, stage: str, task: PipelineTask, name: str, forced: bool = False) -> PipelineTask:
         task.set_display_name(name)
         task.set_caching_options(not forced and self._cacheable(stage))
+        task.set_container_image(self.images["gpu" if stage in GPU_STAGES else "cpu"])
         return place(task, self.placement(stage, self.config))
 
     def _cacheable(self, stage: str) -> bool:
@@ -175,7 +181,7 @@ class _Builder:
             run_id=run_id,
             first_iteration=first,
             kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-            image=components.GPU_IMAGE,
+            image=self.images["gpu"],
         )
         return self.task("track", task, "mlflow: start")
 
@@ -240,9 +246,16 @@ class _Builder:
 
 
 def _iteration_pipeline(
-    kind: str, config: DrmasConfig, run_id: str, first: int, last: int, force: Force, placement: PlacementRule
+    kind: str,
+    config: DrmasConfig,
+    run_id: str,
+    first: int,
+    last: int,
+    force: Force,
+    placement: PlacementRule,
+    images: dict[str, str] | None = None,
 ):
-    builder = _Builder(config, force, placement)
+    builder = _Builder(config, force, placement, images)
     before = kind == "train" and first == 0 and bool(config.eval.every)
 
     def body(config_json, run_id, start_checkpoint):
@@ -289,6 +302,7 @@ def training_pipeline(
     force: Force = Force(),
     placement: PlacementRule = placement_for,
     iterations: int | None = None,
+    images: dict[str, str] | None = None,
 ):
     """Warm start (or the checkpoint of ``start_iteration - 1``), then every iteration up to
     ``experiment.iterations`` (or ``iterations`` of them), chained; evaluation before
@@ -305,7 +319,7 @@ def training_pipeline(
     if iterations is not None and iterations < 1:
         raise ValueError(f"iterations must be at least 1, not {iterations}")
     last = total if iterations is None else min(total, start_iteration + iterations)
-    return _iteration_pipeline("train", config, run_id, start_iteration, last, force, placement)
+    return _iteration_pipeline("train", config, run_id, start_iteration, last, force, placement, images)
 
 
 def iteration_pipeline(
@@ -314,20 +328,25 @@ def iteration_pipeline(
     iteration: int = 0,
     force: Force = Force(),
     placement: PlacementRule = placement_for,
+    images: dict[str, str] | None = None,
 ):
     """One RL iteration of the run: from the warm start (iteration 0) or the checkpoint of
     the iteration before (imported by URI)."""
     if iteration < 0:
         raise ValueError(f"iteration {iteration} is negative")
-    return _iteration_pipeline("rl_iteration", config, run_id, iteration, iteration + 1, force, placement)
+    return _iteration_pipeline("rl_iteration", config, run_id, iteration, iteration + 1, force, placement, images)
 
 
 def evaluation_pipeline(
-    config: DrmasConfig, checkpoint: str, force: Force = Force(), placement: PlacementRule = placement_for
+    config: DrmasConfig,
+    checkpoint: str,
+    force: Force = Force(),
+    placement: PlacementRule = placement_for,
+    images: dict[str, str] | None = None,
 ):
     """Evaluate the checkpoint at URI ``checkpoint`` (a pipeline parameter) on the eval set
     and eval settings of ``config``; results go beside it, to ``evaluate-{hash}``."""
-    builder = _Builder(config, force, placement)
+    builder = _Builder(config, force, placement, images)
 
     @dsl.pipeline(
         name=pipeline_name("evaluate", config),
@@ -360,17 +379,22 @@ def build_pipeline(
     checkpoint: str | None = None,
     force: Iterable[str] = (),
     iterations: int | None = None,
+    images: dict[str, str] | None = None,
 ):
     """The pipeline ``kind`` (train, rl_iteration or evaluate) for this config, and the
-    arguments to run it with (every parameter, explicitly)."""
+    arguments to run it with (every parameter, explicitly); ``images``: the image of each
+    flavor ({"cpu": ..., "gpu": ...}; default the components' own)."""
     forced = parse_force(force, config)
     if kind == "evaluate":
         uri = checkpoint or default_checkpoint(config, run_id)
-        return evaluation_pipeline(config, uri, forced), {"config_json": config.to_json(), "checkpoint": uri}
+        return evaluation_pipeline(config, uri, forced, images=images), {
+            "config_json": config.to_json(),
+            "checkpoint": uri,
+        }
     if kind == "train":
-        func = training_pipeline(config, run_id, start_iteration, forced, iterations=iterations)
+        func = training_pipeline(config, run_id, start_iteration, forced, iterations=iterations, images=images)
     elif kind == "rl_iteration":
-        func = iteration_pipeline(config, run_id, start_iteration, forced)
+        func = iteration_pipeline(config, run_id, start_iteration, forced, images=images)
     else:
         raise ValueError(f"unknown pipeline {kind!r}; pipelines: {', '.join(PIPELINES)}")
     arguments = {"config_json": config.to_json(), "run_id": run_id}

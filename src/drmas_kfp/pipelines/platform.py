@@ -2,28 +2,76 @@
 
 ``place(task, placement)`` decorates a task through kfp-kubernetes; the pipelines apply it
 to every task they create (importers aside: they start no pod). The S3 credentials reach
-each step as environment variables from the Kubernetes secret ``drmas-s3`` (the one in
-``manifests/base/secrets.yaml``), never as pipeline parameters.
+each step as environment variables from the Kubernetes secret ``drmas-s3`` (in the
+pipeline namespace: ``manifests/pipelines/secrets.yaml``), never as pipeline parameters.
+The steps that drive the run's pool on a Ray cluster (rollout, update, evaluate with
+``ray.address``) also get ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN`` from the secret
+``drmas-ray-token`` (key ``auth_token``); the RayCluster refuses clients without it.
+
+Versions. The spec is compiled by kfp 2.17.3 with kfp-kubernetes 2.17.3 (both pinned).
+KFP's backend reads the Kubernetes part of it with its own copy of kfp-kubernetes'
+protobuf, so an older backend does not know the newer fields (read in KFP's source,
+``backend/src/v2/cmd/driver/main.go``, ``backend/src/common/util/json.go``,
+``backend/src/apiserver/template/v2_template.go``, ``kubernetes_platform/proto/
+kubernetes_executor_config.proto``, at each release tag):
+
+- ``SecretAsEnv.optional`` arrived in KFP 2.15.0: the compiled spec as it is runs on
+  **KFP 2.15 or later**. KFP 2.4.1-2.14 skip the unknown field (their driver allows
+  unknown fields), so the endpoint key becomes required there; 2.2.0-2.4.0 refuse the
+  whole task ("failed to unmarshal Kubernetes config").
+- ``SecretAsEnv.secret_name_parameter`` arrived in 2.5.0 (older drivers read the
+  deprecated ``secret_name``, which kfp-kubernetes writes too).
+- The ``resource*`` fields of a container's resources (``resourceCpuRequest``, ...)
+  arrived in KFP's pipeline-spec API with 2.4.0; the API server of 2.2/2.3 refuses an
+  unknown field when a run is created (kfp writes the older ``cpuRequest``, ... too).
+- The scratch volume of the update pods (an ``emptyDir``) needs 2.3.0.
+
+``for_backend(path, "2.3")`` rewrites a compiled spec for such a backend: it drops those
+fields (``drmas compile|submit --kfp-backend 2.3``), so the spec runs on **KFP 2.3 or
+later** (Argo 3.4, which the pipeline Role's ``workflowtaskresults`` grant is for). The
+optional secret key ``AWS_ENDPOINT_URL`` then becomes a required one: the pipeline
+namespace's ``drmas-s3`` must hold it (for AWS: ``https://s3.<region>.amazonaws.com``).
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import kfp.dsl.pipeline_task
 from kfp import kubernetes
 from kfp.dsl import PipelineTask
 
-__all__ = ["CPU_NODES", "GPU_NODES", "Placement", "S3_SECRET", "S3_SECRET_KEYS", "placement_for", "place"]
+__all__ = [
+    "BACKENDS",
+    "CPU_NODES",
+    "DEFAULT_BACKEND",
+    "GPU_NODES",
+    "RAY_TOKEN_KEY",
+    "RAY_TOKEN_SECRET",
+    "SCRATCH",
+    "Placement",
+    "S3_SECRET",
+    "S3_SECRET_KEYS",
+    "check_backend",
+    "for_backend",
+    "placement_for",
+    "place",
+    "update_scratch_size",
+]
 
 S3_SECRET = "drmas-s3"
 S3_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 """Keys of ``drmas-s3`` every step gets as environment variables of the same name."""
 S3_OPTIONAL_KEYS = ("AWS_ENDPOINT_URL",)
 """Keys a step gets when the secret has them (the endpoint of an in-cluster S3 server)."""
+RAY_TOKEN_SECRET = "drmas-ray-token"
+RAY_TOKEN_KEY = "auth_token"
+"""The Secret and key of the Ray cluster's token (``manifests/pipelines/secrets.yaml``)."""
+SCRATCH = "/scratch"
+"""Where the update pods' scratch volume is mounted; ``TMPDIR`` and ``RAY_TMPDIR`` point there."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +86,10 @@ class Placement:
     accelerator_count: int = 0
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: tuple[dict[str, str], ...] = ()
+    ray_token: bool = False
+    """Joins the run's Ray cluster: gets the cluster's token (``RAY_AUTH_MODE=token``)."""
+    scratch: str | None = None
+    """Size limit of an ``emptyDir`` scratch volume at ``SCRATCH`` (``TMPDIR``), or none."""
 
 
 CPU_NODES = Placement(
@@ -67,21 +119,64 @@ GPU_STAGES = ("warmstart", "rollout", "update", "evaluate")
 def placement_for(stage: str, config) -> Placement:
     """The placement of ``stage`` for this config.
 
-    The warm start trains a model in the step's own process: GPU nodes, one GPU. Rollout,
-    update and evaluate drive the run's pool: with ``ray.address`` (a KubeRay cluster) the
-    generation and the data-parallel update run on the pool's workers on the cluster's
-    GPUs and the step is only a Ray driver, so it runs on CPU nodes (still on the GPU
-    image, which matches the cluster's Python and Ray): no GPU is requested outside the
-    pool. Without it the step starts Ray in its own pod and needs the pool's
-    ``ray.pool_size`` GPUs itself. Everything else runs on CPU nodes.
+    The warm start trains a model in the step's own process (it never joins the Ray
+    cluster): GPU nodes, one GPU. Rollout, update and evaluate drive the run's pool: with
+    ``ray.address`` (a KubeRay cluster) the generation and the data-parallel update run
+    on the pool's workers on the cluster's GPUs and the step is only a Ray client, so it
+    runs on CPU nodes (still on the GPU image, which matches the cluster's Python and
+    Ray), with the cluster's token: no GPU is requested outside the pool. Without it the
+    step starts Ray in its own pod and needs the pool's ``ray.pool_size`` GPUs itself.
+    Everything else runs on CPU nodes. Update pods get a scratch volume sized by
+    ``update_scratch_size``.
     """
     if stage in ("rollout", "update", "evaluate"):
+        scratch = update_scratch_size(config) if stage == "update" else None
         if config.ray.address:
-            return CPU_NODES
-        return Placement(**{**GPU_NODES.__dict__, "accelerator_count": config.ray.pool_size})
+            return replace(CPU_NODES, ray_token=True, scratch=scratch)
+        return replace(GPU_NODES, accelerator_count=config.ray.pool_size, scratch=scratch)
     if stage in GPU_STAGES:
         return GPU_NODES
     return CPU_NODES
+
+
+DRIVER_SCRATCH_GIB = 2
+"""An update pod that only drives the pool on a Ray cluster writes Ray client logs and the
+stage's small pointer files: 2 GiB."""
+SCRATCH_GIB_UNKNOWN_MODEL = 64
+"""The scratch of an update pod that trains in the pod, for a model ``drmas plan`` cannot
+size (a 4B-parameter model in bf16 writes about 60 GiB, see ``update_scratch_size``)."""
+
+
+def update_scratch_size(config) -> str:
+    """The scratch an update pod writes, as a Kubernetes quantity (``"NGi"``).
+
+    With ``ray.address`` the update runs on the pool's workers in the Ray cluster and the
+    pod is a client: ``DRIVER_SCRATCH_GIB``. Otherwise the pool runs in the pod, and one
+    worker group's update writes to its temporary folder (``drmas.stages.update``): the
+    policy it starts from, downloaded (Ψ parameters x dtype bytes), the new policy saved
+    before upload (the same), and, when the iteration stores it, the optimizer state
+    saved before upload (12 bytes per parameter under DeepSpeed's bf16 mixed precision:
+    fp32 master weights and two Adam moments; 2 x dtype bytes otherwise, as
+    ``drmas.planning`` counts it); Ray's session folder and object spilling go there too
+    (``RAY_TMPDIR``). The largest worker group's sum, plus a quarter and 2 GiB, rounded up
+    to GiB; ``SCRATCH_GIB_UNKNOWN_MODEL`` for a model whose size the plan cannot read.
+    """
+    if config.ray.address:
+        return f"{DRIVER_SCRATCH_GIB}Gi"
+    from drmas.planning import PlanError, architecture_of  # noqa: PLC0415
+
+    largest = 0
+    for group in config.worker_groups():
+        try:
+            architecture, _ = architecture_of(group.model, group.spec)
+        except PlanError:
+            return f"{SCRATCH_GIB_UNKNOWN_MODEL}Gi"
+        dtype_bytes = 2 if group.spec is not None and group.spec.dtype == "bfloat16" else 4
+        mixed = config.train.backend == "deepspeed" and dtype_bytes == 2
+        optimizer = 12 if mixed else 2 * dtype_bytes
+        largest = max(largest, architecture.params * (2 * dtype_bytes + optimizer))
+    gib = -(-(largest * 5 // 4 + (2 << 30)) // (1 << 30))
+    return f"{gib}Gi"
 
 
 class _CallerNameOnly:
@@ -104,7 +199,8 @@ kfp.dsl.pipeline_task.inspect = _CallerNameOnly()  # type: ignore[assignment]
 
 
 def place(task: PipelineTask, placement: Placement, secret: str = S3_SECRET) -> PipelineTask:
-    """Requests, limits, accelerator, node selector, tolerations and the S3 secret as env."""
+    """Requests, limits, accelerator, node selector, tolerations, the S3 secret as env, the
+    Ray token where the step joins the cluster, and the scratch volume where it has one."""
     task.set_cpu_request(placement.cpu).set_cpu_limit(placement.cpu_limit)
     task.set_memory_request(placement.memory).set_memory_limit(placement.memory_limit)
     if placement.accelerator_type and placement.accelerator_count:
@@ -117,4 +213,87 @@ def place(task: PipelineTask, placement: Placement, secret: str = S3_SECRET) -> 
     kubernetes.use_secret_as_env(
         task, secret_name=secret, secret_key_to_env={key: key for key in S3_OPTIONAL_KEYS}, optional=True
     )
+    if placement.ray_token:
+        task.set_env_variable("RAY_AUTH_MODE", "token")
+        kubernetes.use_secret_as_env(
+            task, secret_name=RAY_TOKEN_SECRET, secret_key_to_env={RAY_TOKEN_KEY: "RAY_AUTH_TOKEN"}
+        )
+    if placement.scratch:
+        # KFP has no ephemeral-storage request (kfp.dsl.structures.ResourceSpec: cpu,
+        # memory, accelerator; kfp-kubernetes: volumes, no container resources): an emptyDir
+        # with a size limit bounds what the pod writes (the kubelet evicts it beyond), and
+        # the temporary folders point there.
+        kubernetes.empty_dir_mount(task, volume_name="scratch", mount_path=SCRATCH, size_limit=placement.scratch)
+        task.set_env_variable("TMPDIR", SCRATCH).set_env_variable("RAY_TMPDIR", SCRATCH)
     return task
+
+
+BACKENDS = ("2.3", "2.5", "2.15")
+"""The KFP backends ``for_backend`` writes a spec for: each the oldest release that reads
+the fields it keeps (see the module's docstring)."""
+DEFAULT_BACKEND = "2.15"
+_RESOURCE_FIELDS = (
+    "resourceCpuRequest",
+    "resourceCpuLimit",
+    "resourceMemoryRequest",
+    "resourceMemoryLimit",
+    "resourceType",
+    "resourceCount",
+)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.removeprefix("v").split("."))
+    except ValueError:
+        raise ValueError(f"KFP backend {text!r} is not a version such as 2.15") from None
+
+
+def check_backend(backend: str) -> tuple[int, ...]:
+    """The version ``backend`` names, if the pipelines run on it; ValueError otherwise."""
+    version = _version(backend)
+    if version < (2, 3):
+        raise ValueError(
+            f"KFP {backend} is not supported: the pipelines need KFP 2.3 or later (Argo 3.4; the update pods' "
+            "emptyDir scratch volume)"
+        )
+    return version
+
+
+def for_backend(path, backend: str = DEFAULT_BACKEND) -> list[str]:
+    """Rewrite the compiled pipeline at ``path`` so that KFP ``backend`` (a version, at
+    least 2.3) runs it: below 2.15 no ``optional`` in a secret's environment variables
+    (the optional keys become required), below 2.5 no ``secretNameParameter`` (the
+    constant ``secretName`` stays), below 2.4 no ``resource*`` container resources (the
+    older fields stay). Returns what it changed, one line each (nothing for 2.15+)."""
+    from pathlib import Path  # noqa: PLC0415
+
+    import yaml  # noqa: PLC0415
+
+    version = check_backend(backend)
+    if version >= (2, 15):
+        return []
+    path = Path(path)
+    spec, platform = yaml.safe_load_all(path.read_text())
+    changes: list[str] = []
+    optional = set()
+    for executor in platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"].values():
+        for item in executor.get("secretAsEnv", []):
+            if item.pop("optional", False):
+                optional.update(f"{item['secretName']}/{key['secretKey']}" for key in item["keyToEnv"])
+            if version < (2, 5) and item.pop("secretNameParameter", None) is not None and not item.get("secretName"):
+                raise ValueError("a secret named by a pipeline parameter needs KFP 2.5 or later")
+    if optional:
+        changes.append(f"secret keys required (KFP {backend} has no optional ones): {', '.join(sorted(optional))}")
+    if version < (2, 5):
+        changes.append("secrets named by secretName only")
+    if version < (2, 4):
+        for executor in spec["deploymentSpec"]["executors"].values():
+            resources = executor.get("container", {}).get("resources", {})
+            for key in _RESOURCE_FIELDS:
+                resources.pop(key, None)
+            for key in _RESOURCE_FIELDS:
+                resources.get("accelerator", {}).pop(key, None)
+        changes.append("container resources in the pre-2.4 fields only")
+    path.write_text(yaml.safe_dump_all([spec, platform], sort_keys=True))
+    return changes
