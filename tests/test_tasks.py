@@ -4,25 +4,28 @@ example of docs/tasks.md) run through the rollout stage without a change to drma
 from __future__ import annotations
 
 import json
+import logging
 import re
+import uuid
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from drmas.config import ConfigError, DataConfig, DrmasConfig, load_config
+from drmas.config import ConfigError, DataConfig, DrmasConfig, StoreConfig, load_config
 from drmas.generation.workers import GenerationResult
 from drmas.infra.schema import TRAJECTORY_SCHEMA
 from drmas.infra.store import Store
 from drmas.registry import BUILTIN_TASKS, get_task, task_for
 from drmas.stages.policies import tokenizer_corpus
 from drmas.stages.rollout import rollout, task_questions
-from drmas.tasks import DataError, Question, Task
+from drmas.tasks import DataError, Question, Task, files
 from drmas.tasks.files import read_questions
 from drmas.tasks.math import MathTask, load_math_questions
-from drmas.tasks.search import SearchTask, load_qa
+from drmas.tasks.search import SearchTask, corpus_hash_for, iter_corpus, load_corpus, load_qa
 
 ROOT = Path(__file__).parent.parent
 CONFIGS = ROOT / "configs"
@@ -115,23 +118,23 @@ def _write(path: Path, content: bytes | list[dict] | pa.Table) -> str:
     return str(path)
 
 
-def _both(spec: str, data: DataConfig | None = None) -> list[Question]:
+def _both(spec: str, data: DataConfig | None = None, store: StoreConfig | None = None) -> list[Question]:
     """The questions of ``spec`` as both tasks read them (they must agree)."""
-    math, search = (load(spec, "train", data or DataConfig(), 0) for load in LOADERS.values())
+    math, search = (load(spec, "train", data or DataConfig(), 0, store) for load in LOADERS.values())
     assert math == search
     return math
 
 
-@pytest.mark.parametrize(
-    ("name", "content"),
-    [
-        ("qa.jsonl", _jsonl_bytes(ROWS)),
-        ("qa.jsonl", b"\xef\xbb\xbf" + _jsonl_bytes(ROWS[:1]) + b"\n  \n" + _jsonl_bytes(ROWS[1:])),  # BOM, blank line
-        ("qa.json", ROWS),  # a JSON list (MATH-500)
-        ("qa.json", _jsonl_bytes(ROWS)),  # JSON Lines named .json (Search-R1)
-        ("qa.parquet", pa.Table.from_pylist(ROWS)),
-    ],
-)
+FORMATS = [
+    ("qa.jsonl", _jsonl_bytes(ROWS)),
+    ("qa.jsonl", b"\xef\xbb\xbf" + _jsonl_bytes(ROWS[:1]) + b"\n  \n" + _jsonl_bytes(ROWS[1:])),  # BOM, blank line
+    ("qa.json", ROWS),  # a JSON list (MATH-500)
+    ("qa.json", _jsonl_bytes(ROWS)),  # JSON Lines named .json (Search-R1)
+    ("qa.parquet", pa.Table.from_pylist(ROWS)),
+]
+
+
+@pytest.mark.parametrize(("name", "content"), FORMATS)
 def test_every_format_reads_the_same_questions(tmp_path, name, content):
     assert _both(_write(tmp_path / name, content)) == EXPECTED
 
@@ -236,9 +239,160 @@ def test_missing_and_remote_files(tmp_path, task):
     with pytest.raises(DataError, match=f"^{re.escape(absent)}: file not found$"):
         LOADERS[task](absent, "train", DataConfig(), 0)
     with pytest.raises(
-        DataError, match=r"^s3://bucket/qa\.jsonl: only local files are supported; copy the file here first$"
+        DataError,
+        match=r"^gs://bucket/qa\.jsonl: only local files and s3:// objects are supported; copy the file here first$",
     ):
-        LOADERS[task]("s3://bucket/qa.jsonl", "train", DataConfig(), 0)
+        LOADERS[task]("gs://bucket/qa.jsonl", "train", DataConfig(), 0)
+    for uri in ("s3://Bad_Bucket/qa.jsonl", "s3://no-key.jsonl"):
+        with pytest.raises(DataError, match=f"^{re.escape(uri)}: not s3://bucket/key "):
+            LOADERS[task](uri, "train", DataConfig(), 0)
+
+
+# --------------------------------------------------------------------------------------
+# The same files on S3 (the real SeaweedFS server of the fixtures)
+# --------------------------------------------------------------------------------------
+
+S3_BUCKET = "drmas-test"
+CORPUS = (
+    b"\xef\xbb\xbf"
+    + _jsonl_bytes(
+        [{"id": "d1", "contents": '"Zorbania"\nZorbania is a country.'}, {"title": "Qu\u00e9llin", "text": "A city."}]
+    )
+    + b"\r\n  \n"
+    + _jsonl_bytes([{"text": "caf\u00e9 \u2603 " + "long " * 40}])
+    + b'{"id": 7, "text": "no newline at the end"}'
+)
+"""A corpus with a byte-order mark, ids and line numbers, a CRLF and a blank line, text
+beyond ASCII, a line longer than a read, and no final newline."""
+
+
+@pytest.fixture
+def s3_data(s3_env, monkeypatch):
+    """Upload to the S3 server: ``upload(name, content) -> s3://...``; reads in 7-byte
+    chunks, so that lines, characters and byte-order marks straddle them."""
+    monkeypatch.setattr(files, "S3_CHUNK_BYTES", 7)
+    fs = pafs.S3FileSystem(
+        endpoint_override=s3_env.endpoint.removeprefix("http://"),
+        scheme="http",
+        access_key=s3_env.access_key,
+        secret_key=s3_env.secret_key,
+        region="us-east-1",
+    )
+    prefix = f"{S3_BUCKET}/data-{uuid.uuid4().hex}"
+
+    def upload(name: str, content: bytes | list[dict] | pa.Table) -> str:
+        if isinstance(content, pa.Table):
+            pq.write_table(content, f"{prefix}/{name}", filesystem=fs)
+        else:
+            with fs.open_output_stream(f"{prefix}/{name}") as out:
+                out.write(content if isinstance(content, bytes) else json.dumps(content).encode())
+        return f"s3://{prefix}/{name}"
+
+    return upload
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize(("name", "content"), FORMATS)
+def test_question_files_on_s3_read_as_the_local_ones(s3_env, s3_data, tmp_path, name, content):
+    store = StoreConfig(endpoint=s3_env.endpoint)
+    local = _both(_write(tmp_path / name, content))
+    assert _both(s3_data(name, content), store=store) == local == EXPECTED
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize(("name", "content", "message"), BAD_FILES)
+def test_bad_question_files_on_s3_fail_as_the_local_ones(s3_env, s3_data, tmp_path, name, content, message):
+    """The same message, the URI for the path: file, then line or row, then the problem."""
+    spec, uri = _write(tmp_path / name, content), s3_data(name, content)
+    with pytest.raises(DataError) as local:
+        load_math_questions(spec, "train", DataConfig(), 0)
+    with pytest.raises(DataError) as remote:
+        load_math_questions(uri, "train", DataConfig(), 0, StoreConfig(endpoint=s3_env.endpoint))
+    if message.endswith("("):  # then pyarrow's own words, which name a local file's path
+        assert str(remote.value).startswith(f"{uri}: {message}") and str(local.value).startswith(f"{spec}: {message}")
+    else:
+        assert str(remote.value) == str(local.value).replace(spec, uri, 1)
+
+
+@pytest.mark.s3
+def test_a_corpus_on_s3_loads_and_hashes_as_the_local_one(s3_env, s3_data, tmp_path):
+    store = StoreConfig(endpoint=s3_env.endpoint)
+    local, uri = _write(tmp_path / "corpus.jsonl", CORPUS), s3_data("corpus.jsonl", CORPUS)
+    passages = load_corpus(local)
+    assert [p.pid for p in passages] == ["d1", "2", "5", "7"]
+    assert load_corpus(uri, store) == passages
+    assert corpus_hash_for(DataConfig(corpus=uri), 0, store) == corpus_hash_for(DataConfig(corpus=local), 0)
+
+
+@pytest.mark.s3
+def test_a_corpus_on_s3_is_streamed(s3_env, s3_data, monkeypatch):
+    """The first passage comes after the first reads, not after the whole object."""
+    uri = s3_data("corpus.jsonl", CORPUS)
+    reads = []
+    read_at = files._read_at
+    monkeypatch.setattr(files, "_read_at", lambda *args: reads.append(args[-1]) or read_at(*args))
+    passages = iter_corpus(uri, StoreConfig(endpoint=s3_env.endpoint))
+    assert next(passages).pid == "d1"
+    assert reads == [7 * index for index in range(len(reads))]  # consecutive ranged reads
+    assert 0 < len(reads) * 7 < len(CORPUS) / 2
+    assert [p.pid for p in passages] == ["2", "5", "7"]
+    assert reads == [7 * index for index in range(-(-len(CORPUS) // 7))]
+
+
+@pytest.mark.s3
+def test_a_config_with_s3_data_reads_it_with_the_store_settings(s3_env, s3_data):
+    """The tasks pass ``config.store`` (endpoint, region) to the loaders; the environment
+    names no endpoint here."""
+    corpus_uri = s3_data("corpus.jsonl", CORPUS)
+    questions_uri = s3_data("qa.parquet", pa.Table.from_pylist(ROWS))
+    overrides = [f"store.endpoint={s3_env.endpoint}", f"data.corpus={corpus_uri}", f"data.train={questions_uri}"]
+    config = load_config(CONFIGS / "search_tiny.yaml", overrides)
+    assert task_questions(config, "train") == EXPECTED
+    assert get_task("search").corpus(config) == [p.text for p in load_corpus(corpus_uri, config.store)]
+    config = load_config(CONFIGS / "math_tiny.yaml", overrides[:1] + overrides[2:])
+    assert task_questions(config, "train") == EXPECTED
+
+
+@pytest.mark.s3
+def test_the_s3_endpoint_may_come_from_the_environment(s3_env, s3_data, monkeypatch):
+    monkeypatch.delenv("DRMAS_S3_ENDPOINT", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env.endpoint)
+    uri = s3_data("corpus.jsonl", CORPUS)
+    assert [p.pid for p in load_corpus(uri)] == ["d1", "2", "5", "7"]
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("task", LOADERS)
+def test_a_missing_s3_object_or_bucket_names_the_uri(s3_env, s3_data, task):
+    store = StoreConfig(endpoint=s3_env.endpoint)
+    absent = s3_data("qa.jsonl", ROWS).replace("qa.jsonl", "absent.jsonl")
+    with pytest.raises(DataError, match=f"^{re.escape(absent)}: file not found$"):
+        LOADERS[task](absent, "train", DataConfig(), 0, store)
+    with pytest.raises(DataError, match=f"^{re.escape(absent)}: file not found$"):
+        load_corpus(absent, store)
+    folder = absent.rsplit("/", 1)[0]  # a prefix of objects, not one
+    with pytest.raises(DataError, match=f"^{re.escape(folder)}: file not found$"):
+        load_corpus(folder, store)
+    nowhere = "s3://no-such-bucket/qa.jsonl"
+    with pytest.raises(DataError, match=f"^{re.escape(nowhere)}: bucket 'no-such-bucket' does not exist at "):
+        LOADERS[task](nowhere, "train", DataConfig(), 0, store)
+
+
+@pytest.mark.s3
+def test_wrong_s3_credentials_fail_clearly_without_the_secret(s3_env, s3_data, monkeypatch, caplog):
+    uri = s3_data("qa.jsonl", ROWS)
+    wrong = "not-the-secret-" + uuid.uuid4().hex
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", wrong)
+    caplog.set_level(logging.DEBUG)
+    store = StoreConfig(endpoint=s3_env.endpoint)
+    for load in (lambda: load_qa(uri, "train", DataConfig(), 0, store), lambda: load_corpus(uri, store)):
+        with pytest.raises(DataError) as error:
+            load()
+        message = str(error.value)
+        assert message.startswith(f"{uri}: S3 at {s3_env.endpoint} denied access")
+        assert "check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in message
+        assert wrong not in message and s3_env.secret_key not in message
+    assert wrong not in caplog.text and s3_env.secret_key not in caplog.text
 
 
 # --------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from drmas.team.episodes import Episode
 from drmas.team.orchestras import Team, verdict_passes
 
 if TYPE_CHECKING:
-    from drmas.config import DataConfig, DrmasConfig
+    from drmas.config import DataConfig, DrmasConfig, StoreConfig
     from drmas.infra.store import Store
 
 __all__ = [
@@ -327,19 +327,26 @@ def _gold_answers(value: Any) -> tuple[str, ...]:
     return answers if answers and all(answers) else ()
 
 
-def load_math_questions(spec: str, split: Literal["train", "eval"], data: DataConfig, seed: int) -> list[Question]:
+def load_math_questions(
+    spec: str,
+    split: Literal["train", "eval"],
+    data: DataConfig,
+    seed: int,
+    store: StoreConfig | Store | None = None,
+) -> list[Question]:
     """The questions of ``data.train`` or ``data.eval``, in file order.
 
     ``spec`` is ``generated:arithmetic`` (its ``split`` part, sized by
-    ``data.generated_{train,eval}_size``, drawn with ``seed``) or a local ``.jsonl``,
-    ``.json`` or ``.parquet`` file. Fields may be dotted paths into nested columns
+    ``data.generated_{train,eval}_size``, drawn with ``seed``) or a ``.jsonl``, ``.json``
+    or ``.parquet`` file, local or ``s3://bucket/key`` (read with ``store``'s S3 endpoint
+    and region: ``drmas.tasks.files.open_data``). Fields may be dotted paths into nested columns
     (``reward_model.ground_truth``); ``data_source`` defaults to the file's stem, the qid is
     the ``id`` column or else the row index. Any bad input raises DataError naming the file
     and the row or column.
     """
     name = spec.removeprefix("generated:")
     if name == spec:
-        return read_questions(spec, data, _gold_answers)
+        return read_questions(spec, data, _gold_answers, store=store)
     if name not in GENERATED_SETS:
         known = ", ".join(GENERATED_SETS)
         raise DataError(f"{spec}: unknown generated set {name!r}; known: {known}")
@@ -430,7 +437,7 @@ class MathTask:
     default_orchestra = "math"
 
     def questions(self, config: DrmasConfig, split: Split) -> list[Question]:
-        return load_math_questions(config.data_spec(split), split, config.data, config.experiment.seed)
+        return load_math_questions(config.data_spec(split), split, config.data, config.experiment.seed, config.store)
 
     def tools(self, config: DrmasConfig, store: Store) -> Tools:
         return Tools()

@@ -42,13 +42,13 @@ from bm25s.stopwords import STOPWORDS_EN
 from drmas.config import TaskConfig
 from drmas.infra.store import Artifact, ArtifactExists, ArtifactWriter, CorruptArtifact, Store
 from drmas.tasks import DataError, Demonstrations, Question, Split, Tools
-from drmas.tasks.files import local_file, read_jsonl, read_questions
+from drmas.tasks.files import read_jsonl, read_questions
 from drmas.team.agents import AnswerAgent, RouterAgent, SearchAgent, verifier_context
 from drmas.team.episodes import Episode
 from drmas.team.orchestras import Team, verdict_passes
 
 if TYPE_CHECKING:
-    from drmas.config import DataConfig, DrmasConfig
+    from drmas.config import DataConfig, DrmasConfig, StoreConfig
 
 __all__ = [
     "Passage",
@@ -313,18 +313,20 @@ def demonstration_queries(data: DataConfig, seed: int) -> dict[str, tuple[str, .
     return plans
 
 
-def corpus_for(data: DataConfig, seed: int) -> list[Passage]:
-    """The passages a search run retrieves from: ``data.corpus``, or the generated world's."""
+def corpus_for(data: DataConfig, seed: int, store: StoreConfig | Store | None = None) -> list[Passage]:
+    """The passages a search run retrieves from: ``data.corpus``, or the generated world's.
+    ``store``: the S3 endpoint and region of an ``s3://`` corpus (``load_corpus``)."""
     if data.corpus:
-        return load_corpus(data.corpus)
+        return load_corpus(data.corpus, store)
     return generated_facts(data, seed)[0]
 
 
-def corpus_hash_for(data: DataConfig, seed: int) -> str:
-    """``Retriever.corpus_hash`` of ``corpus_for(data, seed)``; a corpus file is streamed,
-    never held whole (a wiki-scale corpus does not fit a rollout driver's memory)."""
+def corpus_hash_for(data: DataConfig, seed: int, store: StoreConfig | Store | None = None) -> str:
+    """``Retriever.corpus_hash`` of ``corpus_for(data, seed, store)``; a corpus file is
+    streamed, never held whole (a wiki-scale corpus does not fit a rollout driver's memory).
+    The hash is of the passages only: the same file hashes the same, local or on S3."""
     if data.corpus:
-        passages = iter_corpus(data.corpus)
+        passages = iter_corpus(data.corpus, store)
         first = next(passages, None)
         if first is None:
             raise DataError(f"{data.corpus}: no passages (the file is empty)")
@@ -355,23 +357,26 @@ def _passage_text(row: dict[str, Any]) -> str | None:
     return f"(Title: {title}) {body}" if title else body
 
 
-def load_corpus(path: str) -> list[Passage]:
+def load_corpus(path: str, store: StoreConfig | Store | None = None) -> list[Passage]:
     """A JSONL corpus; each line has ``contents`` or ``text``, and an optional ``id``.
 
     A line without an id gets its line number, so ids stay stable when the file is read
-    again. Ids must be unique: a search result is reported by id.
+    again. Ids must be unique: a search result is reported by id. ``path`` is a local file
+    or ``s3://bucket/key``, read with ``store``'s S3 endpoint and region (the config's
+    ``store`` section or an open Store; unset: the endpoint from the environment), as
+    ``drmas.tasks.files.open_data`` reads it.
     """
-    passages = list(iter_corpus(path))
+    passages = list(iter_corpus(path, store))
     if not passages:
         raise DataError(f"{path}: no passages (the file is empty)")
     return passages
 
 
-def iter_corpus(path: str) -> Iterator[Passage]:
-    """The passages of ``load_corpus``, streamed: what hashing a corpus too large to hold
-    needs (``corpus_hash_for``). An empty file yields nothing."""
+def iter_corpus(path: str, store: StoreConfig | Store | None = None) -> Iterator[Passage]:
+    """The passages of ``load_corpus``, streamed (from S3 too): what hashing a corpus too
+    large to hold needs (``corpus_hash_for``). An empty file yields nothing."""
     first_line: dict[str, int] = {}
-    for number, row in read_jsonl(local_file(path)):
+    for number, row in read_jsonl(path, store):
         text = _passage_text(row)
         if text is None:
             keys = ", ".join(sorted(row)) or "none"
@@ -396,8 +401,15 @@ def _answers(value: Any) -> tuple[str, ...]:
     )
 
 
-def load_qa(spec: str, split: Literal["train", "eval"], data: DataConfig, seed: int) -> list[Question]:
-    """The questions of one split: ``generated:facts`` or a JSONL, JSON or Parquet file.
+def load_qa(
+    spec: str,
+    split: Literal["train", "eval"],
+    data: DataConfig,
+    seed: int,
+    store: StoreConfig | Store | None = None,
+) -> list[Question]:
+    """The questions of one split: ``generated:facts`` or a JSONL, JSON or Parquet file
+    (local, or ``s3://bucket/key`` read with ``store``'s S3 endpoint and region).
 
     A file is the split itself (``split`` only picks the half of a generated set), read by
     ``drmas.tasks.files.read_questions``; its answer column holds one answer or a list of
@@ -411,7 +423,7 @@ def load_qa(spec: str, split: Literal["train", "eval"], data: DataConfig, seed: 
             )
         _, train, evaluation = generated_facts(data, seed)
         return train if split == "train" else evaluation
-    return read_questions(spec, data, _answers)
+    return read_questions(spec, data, _answers, store=store)
 
 
 # --------------------------------------------------------------------------------------
@@ -675,7 +687,7 @@ class SearchTask:
     default_orchestra = "search"
 
     def questions(self, config: DrmasConfig, split: Split) -> list[Question]:
-        return load_qa(config.data_spec(split), split, config.data, config.experiment.seed)
+        return load_qa(config.data_spec(split), split, config.data, config.experiment.seed, config.store)
 
     def tools(self, config: DrmasConfig, store: Store) -> Tools:
         """The in-process BM25 retriever (cached in the store), or, when
@@ -685,10 +697,11 @@ class SearchTask:
             from drmas.tasks.retrieval_service import RetrievalClient  # noqa: PLC0415 (imports this module)
 
             return Tools(retriever=RetrievalClient.for_config(config))
-        return Tools(retriever=cached_retriever(corpus_for(config.data, config.experiment.seed), store))
+        passages = corpus_for(config.data, config.experiment.seed, config.store)
+        return Tools(retriever=cached_retriever(passages, store))
 
     def corpus(self, config: DrmasConfig) -> list[str]:
-        return [passage.text for passage in corpus_for(config.data, config.experiment.seed)]
+        return [passage.text for passage in corpus_for(config.data, config.experiment.seed, config.store)]
 
     def demonstrations(
         self, config: DrmasConfig, questions: list[Question], tools: Tools, rng: np.random.Generator
