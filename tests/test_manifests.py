@@ -9,12 +9,15 @@ the project: resources, non-root, no privilege escalation, dropped capabilities,
 images, least RBAC (named grants only: Argo's executor, KFP's launcher), no API token in a
 pod that does not use the API, placeholder-only secrets, references that resolve, KFP's
 launcher settings as KFP's source reads them, NetworkPolicies that admit only the pipeline
-and Ray pods, Ray token authentication, each secret only in the pods that use it, and
-fully qualified names for Services in other namespaces. Deliberately broken copies show
-that every rule can fail.
+and Ray pods, Ray token authentication, each secret only in the pods that use it, fully
+qualified names for Services in other namespaces, and a retrieval service that a Service
+and its clients reach, probed on /health, with a read-only root and the index its Job
+cached. Deliberately broken copies show that every rule can fail.
 
 Install modes are overlays that hold only the pipeline side (kfp-standalone,
-kubeflow-profile); `rendered("base", "kfp-standalone")` is what applying both sends.
+kubeflow-profile); `rendered("base", "kfp-standalone")` is what applying both sends. The
+search task's retrieval service (retrieval, and its index Job in retrieval-index) holds
+only its own objects too, applied on top of a platform (ADDONS).
 """
 
 from __future__ import annotations
@@ -44,8 +47,19 @@ from drmas.config import RayConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = ROOT / "manifests"
-KUSTOMIZATIONS = ("base", "object-store", "jobs", "kfp-standalone", "kubeflow-profile")
+KUSTOMIZATIONS = (
+    "base",
+    "object-store",
+    "jobs",
+    "kfp-standalone",
+    "kubeflow-profile",
+    "retrieval",
+    "retrieval-index",
+)
 PLATFORMS = ("base", "object-store")
+# Kustomizations applied on top of a platform, holding only their own objects: they refer
+# to its secrets, so they are checked rendered together with it.
+ADDONS = ("retrieval", "retrieval-index")
 PIPELINE_OVERLAYS = {"kfp-standalone": "kubeflow", "kubeflow-profile": "kubeflow-user-example-com"}
 K8S_VERSION = ".".join(latest_version().split(".")[:2])  # the newest schemas it ships
 KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "namespace", "resources", "patches", "images"}
@@ -91,11 +105,17 @@ PIPELINE_POD_LABEL = {"pipelines.kubeflow.org/v2_component": "true"}
 RAY_POD_LABEL = {"app.kubernetes.io/name": "drmas-raycluster"}
 RAY_HEAD_LABEL = {**RAY_POD_LABEL, "app.kubernetes.io/component": "ray-head"}
 MLFLOW_POD_LABEL = {"app.kubernetes.io/name": "mlflow"}
-# What pipeline pods connect to: Ray Client on the head, MLflow.
-PIPELINE_TARGETS = ((RAY_HEAD_LABEL, 10001), (MLFLOW_POD_LABEL, 5000))
+RETRIEVAL_POD_LABEL = {"app.kubernetes.io/name": "drmas-retrieval"}
+RETRIEVAL_PORT = 8080
+# What pipeline pods connect to: Ray Client on the head, MLflow, the retrieval service.
+PIPELINE_TARGETS = ((RAY_HEAD_LABEL, 10001), (MLFLOW_POD_LABEL, 5000), (RETRIEVAL_POD_LABEL, RETRIEVAL_PORT))
+# What Ray pods connect to outside Ray: the retrieval service (rollout and evaluation on
+# the pool, RayJob drivers on the head).
+RAY_TARGETS = ((RETRIEVAL_POD_LABEL, RETRIEVAL_PORT),)
 # Ports no pod outside the allowed ones may reach: GCS, dashboard, Ray Client, MLflow,
-# PostgreSQL. Ray pods are guarded whatever they declare (raylets listen on many ports).
-GUARDED_PORTS = {6379, 8265, 10001, 5000, 5432}
+# PostgreSQL, the retrieval service. Ray pods are guarded whatever they declare (raylets
+# listen on many ports).
+GUARDED_PORTS = {6379, 8265, 10001, 5000, 5432, RETRIEVAL_PORT}
 # The only port a NetworkPolicy may open to every pod: SeaweedFS' S3, which checks the keys
 # of drmas-s3 itself (pipeline pods of any namespace reach it).
 OPEN_PORTS = {8333}
@@ -114,6 +134,8 @@ SECRET_USERS = {
         "RayCluster/*/gpu": "pool workers load policies and optimizer state",
         "Deployment/mlflow": "the artifact proxy (--serve-artifacts) writes to S3",
         "StatefulSet/seaweedfs": "the S3 server enforces these keys",
+        "Deployment/drmas-retrieval": "the retrieval service loads its corpus and index from the store",
+        "Job/drmas-retrieval-index": "the index Job reads the corpus and caches the index in the store",
     },
     "drmas-mlflow-db": {
         "Deployment/mlflow-db": "PostgreSQL's password",
@@ -125,6 +147,16 @@ SECRET_USERS = {
     },
 }
 BUCKET_SCHEMES = {"s3", "gs", "minio"}  # URI hosts that are buckets, not Services
+# The retrieval service (drmas.tasks.retrieval_service): `drmas serve-retrieval`, GET
+# /health. Loading a wiki-scale index from the store, or building it when the index Job's
+# cache is missing, takes minutes to hours (not measured): the startup probe must give it
+# at least this long before the liveness probe may restart the pod.
+RETRIEVAL_COMMAND = ["drmas", "serve-retrieval"]
+RETRIEVAL_HEALTH = "/health"
+RETRIEVAL_STARTUP_S = 3600
+# Arguments that only the server takes; every other one names what is indexed and where
+# its cache lives, and must be the same in the index Job.
+RETRIEVAL_SERVER_ARGS = {"--host", "--port", "--build-only"}
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -646,12 +678,24 @@ def _admits(peer: dict, labels: dict, namespace: str, policy_namespace: str | No
     return _matches(peer.get("podSelector"), labels)
 
 
+def _reaches(docs: list[dict], labels: dict, namespace: str | None, port: int, source: dict, origin: str) -> bool:
+    """Whether the policies selecting a pod (labels, namespace) admit pods with the labels
+    `source` in the namespace `origin` on `port`."""
+    return any(
+        (not rule.get("ports") or port in {p.get("port") for p in rule["ports"]})
+        and any(_admits(peer, source, origin, namespace) for peer in rule.get("from", []))
+        for policy in _ingress_policies(docs, labels, namespace)
+        for rule in policy["spec"].get("ingress", [])
+    )
+
+
 def network_problems(docs: list[dict]) -> list[str]:
-    """Ray, MLflow and its database admit only the pods that use them: every guarded pod is
-    selected by a NetworkPolicy; every rule names its sources by pod labels (a whole
-    namespace only for MLflow's UI label) and its ports (unless it admits the selected pods
-    themselves); and the pipeline pods of each namespace the pipeline Role is bound in do
-    reach the Ray head and MLflow."""
+    """Ray, MLflow, its database and the retrieval service admit only the pods that use
+    them: every guarded pod is selected by a NetworkPolicy; every rule names its sources by
+    pod labels (a whole namespace only for MLflow's UI label) and its ports (unless it
+    admits the selected pods themselves); the pipeline pods of each namespace the pipeline
+    Role is bound in do reach the Ray head, MLflow and the retrieval service; and the Ray
+    pods reach the retrieval service."""
     problems = []
     for where, labels, namespace in _guarded_pods(docs):
         if not _ingress_policies(docs, labels, namespace):
@@ -688,13 +732,22 @@ def network_problems(docs: list[dict]) -> list[str]:
             if not _matches({"matchLabels": target}, labels):
                 continue
             for pipelines in sorted(pipeline_namespaces, key=str):
-                if not any(
-                    (not rule.get("ports") or port in {p.get("port") for p in rule["ports"]})
-                    and any(_admits(peer, PIPELINE_POD_LABEL, pipelines, namespace) for peer in rule.get("from", []))
-                    for policy in _ingress_policies(docs, labels, namespace)
-                    for rule in policy["spec"].get("ingress", [])
-                ):
+                if not _reaches(docs, labels, namespace, port, PIPELINE_POD_LABEL, pipelines):
                     problems.append(f"{where}: pipeline pods in {pipelines} cannot reach port {port}")
+    ray_pods = [
+        (where, labels, namespace)
+        for where, labels, namespace in _guarded_pods(docs)
+        if _matches({"matchLabels": RAY_POD_LABEL}, labels)
+    ]
+    for target, port in RAY_TARGETS:
+        for where, labels, namespace in _guarded_pods(docs):
+            if not _matches({"matchLabels": target}, labels):
+                continue
+            # Without a RayCluster rendered (an add-on alone), the platform's Ray pods.
+            clients = [(w, pod) for w, pod, n in ray_pods if n == namespace] or [("Ray pods", RAY_POD_LABEL)]
+            for client, client_labels in clients:
+                if not _reaches(docs, labels, namespace, port, client_labels, namespace):
+                    problems.append(f"{where}: Ray pods ({client}) cannot reach port {port}")
     return problems
 
 
@@ -755,6 +808,86 @@ def ray_auth_problems(docs: list[dict]) -> list[str]:
             for env in container.get("env", []):
                 if env.get("name") == "RAY_AUTH_MODE" and env.get("value") != "token":
                     problems.append(f"{where}: RAY_AUTH_MODE={env.get('value')}")
+    return problems
+
+
+def _port_number(container: dict, port: object) -> object:
+    """A probe's or Service's port as a number: a name is looked up in the container's ports."""
+    named = {p.get("name"): p.get("containerPort") for p in container.get("ports", [])}
+    return named.get(port, port) if isinstance(port, str) else port
+
+
+def retrieval_problems(docs: list[dict]) -> list[str]:
+    """The retrieval service (`drmas serve-retrieval`): it binds all addresses on a declared
+    port that a Service sends to; startup, readiness and liveness probes GET /health there,
+    the startup probe allowing RETRIEVAL_STARTUP_S for the index to load; its root
+    filesystem is read-only, with TMPDIR=/tmp on an emptyDir (the index is fetched there).
+    `--build-only` runs only as a Job (it exits), with the same corpus and store as every
+    server, so that the server loads the cache the Job built instead of building its own."""
+    problems = []
+    servers, builders = [], []
+    for where, template, doc in all_templates(docs):
+        spec = template.get("spec") or {}
+        for container in spec.get("containers", []):
+            if container.get("command", [])[:2] != RETRIEVAL_COMMAND:
+                continue
+            at = f"{where}/{container.get('name')}"
+            args = server_args(container)
+            build_only = args.get("--build-only") is True
+            (builders if build_only else servers).append((at, args))
+            for flag in ("--corpus", "--store"):
+                if not isinstance(args.get(flag), str) or not args[flag]:
+                    problems.append(f"{at}: no {flag}=... (the default is not the cluster's)")
+            if (container.get("securityContext") or {}).get("readOnlyRootFilesystem") is not True:
+                problems.append(f"{at}: readOnlyRootFilesystem is not true")
+            mounts = {m.get("mountPath"): m.get("name") for m in container.get("volumeMounts", [])}
+            volumes = {v.get("name"): v for v in spec.get("volumes", [])}
+            if "emptyDir" not in volumes.get(mounts.get("/tmp"), {}):
+                problems.append(f"{at}: /tmp is not an emptyDir (a read-only root has nowhere to fetch the index)")
+            if {e.get("name"): e.get("value") for e in container.get("env", [])}.get("TMPDIR") != "/tmp":
+                problems.append(f"{at}: TMPDIR is not /tmp")
+            if build_only:
+                if doc["kind"] != "Job":
+                    problems.append(f"{at}: --build-only exits when the index is cached: run it as a Job")
+                continue
+            host = args.get("--host", "127.0.0.1")
+            if host != "0.0.0.0":
+                problems.append(f"{at}: --host {host} binds {host}: no Service or other pod reaches it")
+            port = int(str(args.get("--port", 0))) if str(args.get("--port", "")).isdigit() else None
+            if port is None or port not in {p.get("containerPort") for p in container.get("ports", [])}:
+                problems.append(f"{at}: --port {args.get('--port')} is not one of the container's ports")
+            for name in ("startupProbe", "readinessProbe", "livenessProbe"):
+                get = (container.get(name) or {}).get("httpGet") or {}
+                if get.get("path") != RETRIEVAL_HEALTH or _port_number(container, get.get("port")) != port:
+                    problems.append(f"{at}: {name} is not GET {RETRIEVAL_HEALTH} on port {port}")
+            startup = container.get("startupProbe") or {}
+            budget = startup.get("initialDelaySeconds", 0) + startup.get("periodSeconds", 10) * startup.get(
+                "failureThreshold", 3
+            )
+            if budget < RETRIEVAL_STARTUP_S:
+                problems.append(
+                    f"{at}: startupProbe allows {budget} s, under {RETRIEVAL_STARTUP_S} s: the pod is "
+                    "restarted while a wiki-scale index loads"
+                )
+            labels = _labels(template)
+            if not any(
+                (service["spec"].get("selector") or {}).items() <= labels.items()
+                and key(service)[2] == key(doc)[2]
+                and any(
+                    _port_number(container, p.get("targetPort", p.get("port"))) == port
+                    for p in service["spec"].get("ports", [])
+                )
+                for service in find(docs, "Service")
+            ):
+                problems.append(f"{at}: no Service sends to port {port}")
+    for at, args in servers:
+        wanted = {k: v for k, v in args.items() if k not in RETRIEVAL_SERVER_ARGS}
+        for job, job_args in builders:
+            cached = {k: v for k, v in job_args.items() if k not in RETRIEVAL_SERVER_ARGS}
+            if cached != wanted:
+                problems.append(
+                    f"{job}: indexes {cached}, but {at} serves {wanted}: the service would build its own index"
+                )
     return problems
 
 
@@ -827,6 +960,7 @@ def problems(docs: list[dict], *, templates_only: bool = True) -> list[str]:
         + secret_user_problems(docs)
         + ray_auth_problems(docs)
         + service_name_problems(docs)
+        + retrieval_problems(docs)
     )
 
 
@@ -850,11 +984,13 @@ def gpu_configs() -> list[dict]:
 def test_kustomization_renders_and_keeps_every_rule(name: str) -> None:
     docs = rendered(name)
     assert docs
-    assert problems(docs, templates_only=name == "base") == []
+    if name in ADDONS:  # on top of the platform, whose secrets it names
+        docs = rendered("base") + docs
+    assert problems(docs, templates_only=name == "base" or name in ADDONS) == []
 
 
 def test_rendering_applies_namespace_images_and_patches() -> None:
-    base, store, jobs, standalone, profile = (rendered(name) for name in KUSTOMIZATIONS)
+    base, store, jobs, standalone, profile, retrieval, index = (rendered(name) for name in KUSTOMIZATIONS)
     assert sorted(doc["kind"] for doc in base) == sorted(
         ["Namespace", "Secret", "Secret", "Secret", "RayCluster"]
         + ["PersistentVolumeClaim"] * 2
@@ -863,7 +999,10 @@ def test_rendering_applies_namespace_images_and_patches() -> None:
     )
     assert {d["kind"] for d in store} - {d["kind"] for d in base} == {"StatefulSet"}
     assert [d["kind"] for d in jobs] == ["RayJob"]
-    for doc in base + store + jobs:
+    # The retrieval service and its index Job: their own objects only, none of the platform's.
+    assert sorted(d["kind"] for d in retrieval) == ["Deployment", "NetworkPolicy", "Service"]
+    assert [d["kind"] for d in index] == ["Job"]
+    for doc in base + store + jobs + retrieval + index:
         if doc["kind"] != "Namespace":
             assert doc["metadata"]["namespace"] == "drmas", key(doc)
     assert one(base, "Namespace")["metadata"]["name"] == "drmas"
@@ -875,13 +1014,14 @@ def test_rendering_applies_namespace_images_and_patches() -> None:
             expected = "drmas" if doc["kind"] == "NetworkPolicy" else pipelines
             assert doc["metadata"]["namespace"] == expected, key(doc)
     assert sorted(d["kind"] for d in standalone) == sorted(
-        ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Secret", "Secret"] + ["NetworkPolicy"] * 2
+        ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Secret", "Secret"] + ["NetworkPolicy"] * 3
     )
     assert sorted(d["kind"] for d in profile) == sorted(d["kind"] for d in standalone if d["kind"] != "ServiceAccount")
     # Every object is one the validators know: core kinds (kubernetes-validate) or ray.io/v1.
-    assert {d["apiVersion"] for d in base + store + jobs + standalone + profile} <= {
+    assert {d["apiVersion"] for d in base + store + jobs + standalone + profile + retrieval + index} <= {
         "v1",
         "apps/v1",
+        "batch/v1",
         "rbac.authorization.k8s.io/v1",
         "networking.k8s.io/v1",
         "ray.io/v1",
@@ -893,13 +1033,17 @@ def test_rendering_applies_namespace_images_and_patches() -> None:
     assert store_s3["AWS_ACCESS_KEY_ID"] == base_s3["AWS_ACCESS_KEY_ID"] == PLACEHOLDER
 
 
+@pytest.mark.parametrize("addons", [(), ADDONS], ids=["platform", "with-retrieval"])
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("overlay", sorted(PIPELINE_OVERLAYS))
-def test_platform_and_install_mode_keep_every_rule_together(platform: str, overlay: str) -> None:
-    """What `kubectl apply -k <platform>` and `kubectl apply -k <overlay>` send together."""
-    docs = rendered(platform, overlay)
+def test_platform_and_install_mode_keep_every_rule_together(
+    platform: str, overlay: str, addons: tuple[str, ...]
+) -> None:
+    """What `kubectl apply -k <platform>`, `kubectl apply -k <overlay>` (and the retrieval
+    service's kustomizations) send together."""
+    docs = rendered(platform, overlay, *addons)
     assert problems(docs, templates_only=platform == "base") == []
-    assert network_problems(docs) == [], "the overlay's pipeline pods reach Ray and MLflow"
+    assert network_problems(docs) == [], "the overlay's pipeline pods reach Ray, MLflow and retrieval"
 
 
 def test_an_overlay_retags_images_inside_the_raycluster(tmp_path: Path) -> None:
@@ -1107,7 +1251,7 @@ def test_an_overlay_of_your_own_points_the_launcher_at_seaweedfs(tmp_path: Path)
 
 
 def test_network_policies_admit_the_pipeline_and_ray_pods_only() -> None:
-    docs = rendered("base", "kfp-standalone")
+    docs = rendered("base", "kfp-standalone", "retrieval")
     ray = one(docs, "NetworkPolicy", "drmas-raycluster")["spec"]
     assert ray["podSelector"]["matchLabels"] == RAY_POD_LABEL
     assert ray["ingress"][0] == {"from": [{"podSelector": {"matchLabels": RAY_POD_LABEL}}]}
@@ -1131,18 +1275,31 @@ def test_network_policies_admit_the_pipeline_and_ray_pods_only() -> None:
     assert {port["port"] for spec in mlflow for rule in spec["ingress"] for port in rule["ports"]} == {5000}
     assert {"namespaceSelector": {"matchLabels": {UI_NAMESPACE_LABEL: "true"}}} in mlflow[0]["ingress"][0]["from"]
     # Every pod with a guarded port, and every Ray pod, is behind a policy.
+    # The retrieval service: the Ray pods and the install mode's pipeline pods, on 8080 only.
+    retrieval = one(docs, "NetworkPolicy", "drmas-retrieval")["spec"]
+    assert retrieval["podSelector"]["matchLabels"] == RETRIEVAL_POD_LABEL
+    assert retrieval["ingress"] == [
+        {"from": [{"podSelector": {"matchLabels": RAY_POD_LABEL}}], "ports": [{"protocol": "TCP", "port": 8080}]}
+    ]
+    (rule,) = one(docs, "NetworkPolicy", "drmas-retrieval-from-kubeflow")["spec"]["ingress"]
+    assert rule["from"] == pipelines["ingress"][0]["from"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8080}]
+    server = one(docs, "Deployment", "drmas-retrieval")["spec"]["template"]
+    assert {p["containerPort"] for p in server["spec"]["containers"][0]["ports"]} == {RETRIEVAL_PORT}
+    # Every pod with a guarded port, and every Ray pod, is behind a policy.
     guarded = {where for where, _, _ in _guarded_pods(docs)}
     assert guarded == {
         "RayCluster/drmas-raycluster/head",
         "RayCluster/drmas-raycluster/gpu",
         "Deployment/mlflow",
         "Deployment/mlflow-db",
+        "Deployment/drmas-retrieval",
     }
     assert network_problems(docs) == []
-    # The platform alone admits no pipeline pods: no pipeline namespace to admit.
+    # The platform and the service alone admit no pipeline pods: no pipeline namespace.
     assert not any(
         "namespaceSelector" in peer and peer.get("podSelector", {}).get("matchLabels") == PIPELINE_POD_LABEL
-        for policy in find(rendered("base"), "NetworkPolicy")
+        for policy in find(rendered("base", *ADDONS), "NetworkPolicy")
         for rule in policy["spec"]["ingress"]
         for peer in rule["from"]
     )
@@ -1161,14 +1318,16 @@ def test_ray_token_authentication() -> None:
 
 
 def test_each_secret_reaches_only_the_pods_that_use_it() -> None:
-    docs = rendered("object-store") + rendered("jobs")
+    docs = rendered("object-store", "jobs", *ADDONS)
     holders = {
         name: sorted(where for where, template, _ in all_templates(docs) if name in _secret_refs(template))
         for name in SECRET_USERS
     }
     assert holders == {
         "drmas-s3": [
+            "Deployment/drmas-retrieval",
             "Deployment/mlflow",
+            "Job/drmas-retrieval-index",
             "RayCluster/drmas-raycluster/gpu",
             "RayCluster/drmas-raycluster/head",
             "StatefulSet/seaweedfs",
@@ -1210,6 +1369,35 @@ def test_rayjob_runs_drmas_on_the_shared_cluster() -> None:
     assert config.parent == Path("/opt/drmas/configs"), "the image's WORKDIR holds configs/"
     assert (ROOT / "configs" / config.name).is_file()
     assert "ray.address=auto" in words[3:]
+
+
+def test_retrieval_service_is_the_one_the_search_configs_name() -> None:
+    """The Service is task.retrieval_url of the GPU search configs; the service and its
+    index Job read the configs' data.corpus and cache the index under their store.root."""
+    docs = rendered("base", *ADDONS)
+    assert retrieval_problems(docs) == []
+    deployment = one(docs, "Deployment", "drmas-retrieval")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == RETRIEVAL_COMMAND
+    args = server_args(container)
+    assert args["--host"] == "0.0.0.0" and args["--port"] == str(RETRIEVAL_PORT)
+    (job,) = one(docs, "Job", "drmas-retrieval-index")["spec"]["template"]["spec"]["containers"]
+    assert server_args(job) == {"--corpus": args["--corpus"], "--store": args["--store"], "--build-only": True}
+    service = one(docs, "Service", "drmas-retrieval")
+    assert service["spec"]["ports"] == [{"name": "http", "port": RETRIEVAL_PORT, "targetPort": "http"}]
+    # Sized for wiki-18 (not measured): a request in tens of GiB, /tmp on an emptyDir.
+    memory = container["resources"]["requests"]["memory"]
+    assert memory.endswith("Gi") and int(memory[:-2]) >= 32
+    configs = [c for c in gpu_configs() if (c.get("task") or {}).get("retrieval_url")]
+    assert configs, "a GPU search config uses the service"
+    for config in configs:
+        url = urlparse(config["task"]["retrieval_url"])
+        assert url.scheme == "http"
+        assert url.hostname == f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local"
+        assert url.port == RETRIEVAL_PORT
+        assert config["data"]["corpus"] == args["--corpus"], "the service serves the corpus the run names"
+        assert config["store"]["root"] == args["--store"], "the index is cached where the run's store is"
+        assert f"task.retrieval_url: {config['task']['retrieval_url']}" in (MANIFESTS / "README.md").read_text()
 
 
 # ----------------------------------------------------------------------------- negatives
@@ -1411,6 +1599,59 @@ def _partly_qualified(docs: list[dict]) -> None:
     secret["stringData"]["AWS_ENDPOINT_URL"] = "http://seaweedfs.drmas.svc:8333"
 
 
+def _retrieval(docs: list[dict]) -> dict:
+    return _container(docs, "Deployment", "drmas-retrieval")
+
+
+def _set_arg(container: dict, flag: str, value: str) -> None:
+    container["args"] = [a for a in container["args"] if a.split("=", 1)[0] != flag] + [f"{flag}={value}"]
+
+
+def _retrieval_on_localhost(docs: list[dict]) -> None:
+    _set_arg(_retrieval(docs), "--host", "127.0.0.1")
+
+
+def _retrieval_startup_too_short(docs: list[dict]) -> None:
+    _retrieval(docs)["startupProbe"].update(periodSeconds=10, failureThreshold=30)
+
+
+def _retrieval_liveness_elsewhere(docs: list[dict]) -> None:
+    _retrieval(docs)["livenessProbe"]["httpGet"]["path"] = "/"
+
+
+def _retrieval_writable_root(docs: list[dict]) -> None:
+    del _retrieval(docs)["securityContext"]["readOnlyRootFilesystem"]
+
+
+def _retrieval_without_tmp(docs: list[dict]) -> None:
+    del _retrieval(docs)["volumeMounts"]
+
+
+def _retrieval_unserved_port(docs: list[dict]) -> None:
+    _set_arg(_retrieval(docs), "--port", "8081")
+
+
+def _index_of_another_corpus(docs: list[dict]) -> None:
+    _set_arg(_container(docs, "Job", "drmas-retrieval-index"), "--corpus", "s3://drmas/data/other.jsonl")
+
+
+def _retrieval_unguarded(docs: list[dict]) -> None:
+    for name in ("drmas-retrieval", "drmas-retrieval-from-kubeflow"):
+        docs.remove(one(docs, "NetworkPolicy", name))
+
+
+def _retrieval_closed_to_ray(docs: list[dict]) -> None:
+    one(docs, "NetworkPolicy", "drmas-retrieval")["spec"]["ingress"][0]["ports"][0]["port"] = 8081
+
+
+def _retrieval_closed_to_pipelines(docs: list[dict]) -> None:
+    docs.remove(one(docs, "NetworkPolicy", "drmas-retrieval-from-kubeflow"))
+
+
+def _ray_token_to_retrieval(docs: list[dict]) -> None:
+    _retrieval(docs)["envFrom"] = [{"secretRef": {"name": "drmas-ray-token"}}]
+
+
 BREAKAGES: dict[str, tuple[Callable[[list[dict]], None], str]] = {
     "RayCluster field misspelled": (_misspell_worker_groups, "'workerGroupSpec' was unexpected"),
     "field misspelled inside a Ray pod template": (
@@ -1456,13 +1697,30 @@ BREAKAGES: dict[str, tuple[Callable[[list[dict]], None], str]] = {
     "Ray authentication disabled": (_ray_auth_disabled, "RAY_AUTH_MODE is not token"),
     "Service of another namespace by its short name": (_short_service_name, "mlflow names a Service of another"),
     "Service name not fully qualified": (_partly_qualified, "not fully qualified"),
+    "retrieval service bound to localhost": (_retrieval_on_localhost, "--host 127.0.0.1 binds"),
+    "retrieval startup probe shorter than a load": (_retrieval_startup_too_short, "startupProbe allows 300 s"),
+    "retrieval liveness probe off /health": (_retrieval_liveness_elsewhere, "livenessProbe is not GET /health"),
+    "retrieval with a writable root": (_retrieval_writable_root, "retrieval: readOnlyRootFilesystem is not true"),
+    "retrieval without a /tmp volume": (_retrieval_without_tmp, "/tmp is not an emptyDir"),
+    "retrieval on a port nothing sends to": (_retrieval_unserved_port, "--port 8081 is not one of"),
+    "index Job of another corpus": (_index_of_another_corpus, "the service would build its own index"),
+    "retrieval behind no policy": (_retrieval_unguarded, "drmas-retrieval: open to every pod"),
+    "retrieval closed to the Ray pods": (
+        _retrieval_closed_to_ray,
+        "Ray pods (RayCluster/drmas-raycluster/gpu) cannot reach port 8080",
+    ),
+    "retrieval closed to the pipeline pods": (
+        _retrieval_closed_to_pipelines,
+        "pipeline pods in kubeflow cannot reach port 8080",
+    ),
+    "Ray token in the retrieval service": (_ray_token_to_retrieval, "drmas-retrieval: gets secret drmas-ray-token"),
 }
 
 
 @pytest.mark.parametrize("breakage", sorted(BREAKAGES))
 def test_a_broken_manifest_fails(breakage: str) -> None:
     break_it, expected = BREAKAGES[breakage]
-    docs = rendered("base", "kfp-standalone")
+    docs = rendered("base", "kfp-standalone", *ADDONS)
     break_it(docs)
     found = problems(docs)
     assert any(expected in problem for problem in found), found
