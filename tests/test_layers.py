@@ -19,8 +19,21 @@ ALLOWED: dict[str, set[str]] = {
     "tasks": {"config", "infra", "team", "registry", "tasks"},
     "training": {"algos", "config", "training"},
     "generation": {"config", "infra", "models", "generation"},
-    "stages": {"algos", "config", "registry", "infra", "models", "tasks", "team", "training", "generation", "stages"},
-    # The runner writes a run's report at its end; `drmas compare` (analysis) runs runs.
+    # A run's report is written at its end (stages.track: the runner's and the pipelines' last step).
+    "stages": {
+        "algos",
+        "config",
+        "registry",
+        "infra",
+        "models",
+        "tasks",
+        "team",
+        "training",
+        "generation",
+        "stages",
+        "analysis.report",
+    },
+    # `drmas compare` (analysis) runs runs.
     "runner": {
         "algos",
         "config",

@@ -137,8 +137,9 @@ class TaskConfig(Section):
 
 class DataConfig(Section):
     train: str | None = None
-    """Training prompts: a local JSONL, JSON or Parquet file, or 'generated:NAME' for a set
-    that ships with drmas. Unset: the task's generated set (math: generated:arithmetic,
+    """Training prompts: a JSONL, JSON or Parquet file, local or ``s3://bucket/key`` (read
+    with ``store``'s S3 endpoint and credentials), or 'generated:NAME' for a set that ships
+    with drmas. Unset: the task's generated set (math: generated:arithmetic,
     search: generated:facts)."""
     eval: str | None = None
     """Evaluation prompts, same forms as ``train`` (a generated set uses its eval split)."""
@@ -149,7 +150,8 @@ class DataConfig(Section):
     data_source_field: str = "data_source"
     """Column naming each row's source (eval metrics are also reported per source)."""
     corpus: str | None = None
-    """search: JSONL corpus of passages; unset uses the generated corpus."""
+    """search: JSONL corpus of passages, local or ``s3://`` (streamed); unset uses the
+    generated corpus."""
     generated_train_size: int = Field(2000, ge=1)
     """Questions in a generated training set."""
     generated_eval_size: int = Field(200, ge=1)

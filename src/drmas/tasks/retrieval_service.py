@@ -223,12 +223,17 @@ class RetrievalServer(ThreadingHTTPServer):
 
 
 def load_passages(
-    corpus: str, seed: int = 0, generated_train_size: int | None = None, generated_eval_size: int | None = None
+    corpus: str,
+    seed: int = 0,
+    generated_train_size: int | None = None,
+    generated_eval_size: int | None = None,
+    store: Store | None = None,
 ) -> list[Passage]:
-    """The passages that ``corpus`` names: a JSONL file (``load_corpus``), or
-    ``generated:facts``, the world a run with this seed and these sizes searches."""
+    """The passages that ``corpus`` names: a JSONL file, local or ``s3://`` (read with
+    ``store``'s S3 settings; ``load_corpus``), or ``generated:facts``, the world a run with
+    this seed and these sizes searches."""
     if not corpus.startswith(GENERATED_PREFIX):
-        return load_corpus(corpus)
+        return load_corpus(corpus, store)
     if corpus != f"{GENERATED_PREFIX}{GENERATED_FACTS}":
         raise DataError(f"{corpus}: no such generated corpus (available: {GENERATED_PREFIX}{GENERATED_FACTS})")
     sizes = {"generated_train_size": generated_train_size, "generated_eval_size": generated_eval_size}
@@ -313,7 +318,9 @@ class RetrievalClient:
         task, data, seed = config.task, config.data, config.experiment.seed
         if task.retrieval_url is None:
             raise ValueError("task.retrieval_url is not set: the search task retrieves in process")
-        expected: str | Callable[[], str] = task.retrieval_corpus_hash or (lambda: corpus_hash_for(data, seed))
+        expected: str | Callable[[], str] = task.retrieval_corpus_hash or (
+            lambda: corpus_hash_for(data, seed, config.store)
+        )
         return cls(
             task.retrieval_url,
             timeout_s=task.retrieval_timeout_s,
@@ -480,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         store = Store(args.store, args.store_endpoint)
         # No reference to the loaded passages is kept: the server holds its retriever's
         # (at wiki scale, a second copy would double the service's memory).
-        passages = load_passages(args.corpus, args.seed, args.generated_train_size, args.generated_eval_size)
+        passages = load_passages(args.corpus, args.seed, args.generated_train_size, args.generated_eval_size, store)
         if args.build_only:
             retriever = cached_retriever(passages, store)
             print(f"drmas serve-retrieval: {len(retriever.passages)} passages of {args.corpus} indexed in {store.root}")
