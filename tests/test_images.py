@@ -326,3 +326,61 @@ def test_build_script_refuses_latest_and_bad_usage() -> None:
     custom = _build("gpu", "0.1.0", DRMAS_REGISTRY="registry.example.com/ml/")
     assert custom.stdout.strip() == "registry.example.com/ml/drmas-gpu:0.1.0"
     assert _build("cpu", "0.1.0-abc-dirty", DRMAS_PUSH="1").returncode != 0
+
+
+def test_build_script_records_each_flavor_for_drmas_compile(tmp_path: Path) -> None:
+    """build.sh records what it built (per flavor, pushed or only loaded) in the file
+    DRMAS_LAST_BUILD names; drmas compile|submit take their images from it. A stand-in
+    podman (no container engine here) lets the real script run to its end; a dry run
+    records nothing."""
+    from drmas_kfp.components.images import TAG, read_last_build, resolve_images
+
+    engine = tmp_path / "bin" / "podman"
+    engine.parent.mkdir()
+    engine.write_text('#!/usr/bin/env bash\necho "podman $*" >> "$(dirname "$0")/calls"\n')
+    engine.chmod(0o755)
+    record = tmp_path / "last-build"
+    env = {
+        "DRMAS_DRY_RUN": "0",
+        "CONTAINER_ENGINE": "podman",
+        "PATH": f"{engine.parent}:{os.environ['PATH']}",
+        "DRMAS_LAST_BUILD": str(record),
+        "DRMAS_REGISTRY": "registry.example.com/ml",
+    }
+    assert _build("cpu", "0.1.0-a", **{**env, "DRMAS_DRY_RUN": "1"}).returncode == 0
+    assert not record.exists(), "a dry run records nothing"
+    gpu = _build("gpu", "0.1.0-a", **env, DRMAS_PUSH="1")
+    assert gpu.returncode == 0, gpu.stderr
+    assert gpu.stdout.strip().splitlines()[-1] == "registry.example.com/ml/drmas-gpu:0.1.0-a"
+    assert "podman push registry.example.com/ml/drmas-gpu:0.1.0-a" in (engine.parent / "calls").read_text()
+    cpu = _build("cpu", "0.1.0-b", **env)  # loaded into the local engine, not pushed
+    assert cpu.returncode == 0, cpu.stderr
+    assert read_last_build(record) == {
+        "gpu": ("registry.example.com/ml/drmas-gpu:0.1.0-a", True),
+        "cpu": ("registry.example.com/ml/drmas-cpu:0.1.0-b", False),
+    }
+    resolved = resolve_images(record=record)
+    assert resolved.images == {
+        "cpu": "registry.example.com/ml/drmas-cpu:0.1.0-b",
+        "gpu": "registry.example.com/ml/drmas-gpu:0.1.0-a",
+    }
+    assert (
+        len(resolved.warnings) == 1
+        and "drmas-cpu:0.1.0-b was built by images/build.sh but not pushed" in (resolved.warnings[0])
+    )
+    again = _build("cpu", "0.1.0-c", **env, DRMAS_PUSH="1")  # the cpu line is replaced, the gpu line kept
+    assert again.returncode == 0, again.stderr
+    assert record.read_text().splitlines() == [
+        "gpu registry.example.com/ml/drmas-gpu:0.1.0-a pushed",
+        "cpu registry.example.com/ml/drmas-cpu:0.1.0-c pushed",
+    ]
+    assert resolve_images(record=record).warnings == ()
+    # Given options win; what is not given comes from the record.
+    assert resolve_images("other.example.com/x", None, record=record).images == {
+        "cpu": "other.example.com/x/drmas-cpu:0.1.0-c",
+        "gpu": "other.example.com/x/drmas-gpu:0.1.0-a",
+    }
+    none = resolve_images(record=tmp_path / "none")
+    assert none.images == {"cpu": f"ghcr.io/drmas/drmas-cpu:{TAG}", "gpu": f"ghcr.io/drmas/drmas-gpu:{TAG}"}
+    assert len(none.warnings) == 1 and "which nothing pushed" in none.warnings[0]
+    assert resolve_images("r.example.com", "1.0", record=tmp_path / "none").warnings == ()

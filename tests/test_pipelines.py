@@ -26,7 +26,7 @@ from drmas.cli import main
 from drmas.config import CheckpointConfig, load_config
 from drmas_kfp import components
 from drmas_kfp.pipelines.build import build_pipeline, compile_pipeline, parse_force
-from drmas_kfp.pipelines.platform import S3_SECRET
+from drmas_kfp.pipelines.platform import S3_SECRET, for_backend, update_scratch_size
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_STAGES = {"warmstart", "rollout", "update", "evaluate"}
@@ -286,6 +286,174 @@ def test_cli_compile_writes_the_pipeline_and_refuses_pipeline_options_without_kf
     assert "unknown stage 'nonsense'" in capsys.readouterr().err
     assert main(["run", str(ROOT / "configs" / "math_tiny.yaml"), "--force", "advantage"]) == 2
     assert "need --via kfp-local" in capsys.readouterr().err
+
+
+def executors_by_task(spec: dict, platform: dict) -> dict[str, tuple[str, dict, dict]]:
+    """{task name: (stage, container, Kubernetes executor config)}."""
+    result = {}
+    for task in spec["root"]["dag"]["tasks"].values():
+        if stage_of(task) == "importer":
+            continue
+        label = task["componentRef"]["name"].replace("comp-", "exec-")
+        container = spec["deploymentSpec"]["executors"][label]["container"]
+        result[task["taskInfo"]["name"]] = (stage_of(task), container, platform.get(label, {}))
+    return result
+
+
+def test_compile_names_the_images_given_or_last_built_on_every_executor(tmp_path, capsys, monkeypatch):
+    """--image-registry/--image-tag set every task's image (GPU image for the stages that
+    hold a model, CPU image for the others, the image the MLflow run is tagged with too);
+    without them the images come from the record images/build.sh writes; without a
+    record the defaults, with a warning that nothing pushed them."""
+    config = str(ROOT / "configs" / "math_qwen3_4b_gpu.yaml")
+    out = tmp_path / "pipeline.yaml"
+
+    def images_of(*options: str) -> tuple[dict[str, set[str]], str, str]:
+        code = main(["compile", config, "experiment.iterations=2", "-o", str(out), "--run-id", "r1", *options])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        spec, platform = yaml.safe_load_all(out.read_text())
+        tasks = executors_by_task(spec, platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"])
+        flavors: dict[str, set[str]] = {"cpu": set(), "gpu": set()}
+        for stage, container, _ in tasks.values():
+            flavors["gpu" if stage in GPU_STAGES else "cpu"].add(container["image"])
+        start = next(t for t in spec["root"]["dag"]["tasks"].values() if stage_of(t) == "track_start")
+        return flavors, start["inputs"]["parameters"]["image"]["runtimeValue"]["constant"], captured.err
+
+    monkeypatch.setenv("DRMAS_LAST_BUILD", str(tmp_path / "last-build"))
+    flavors, tagged, err = images_of("--image-registry", "registry.example.com/ml/", "--image-tag", "0.1.0-1a2b")
+    assert flavors == {
+        "cpu": {"registry.example.com/ml/drmas-cpu:0.1.0-1a2b"},
+        "gpu": {"registry.example.com/ml/drmas-gpu:0.1.0-1a2b"},
+    }
+    assert tagged == "registry.example.com/ml/drmas-gpu:0.1.0-1a2b" and "warning" not in err
+    flavors, _, err = images_of()
+    assert flavors == {"cpu": {components.CPU_IMAGE}, "gpu": {components.GPU_IMAGE}}
+    assert "no image build recorded" in err and "nothing pushed" in err
+    (tmp_path / "last-build").write_text(
+        "gpu registry.example.com/ml/drmas-gpu:0.1.0-9f8e pushed\n"
+        "cpu registry.example.com/ml/drmas-cpu:0.1.0-9f8e pushed\n"
+    )
+    flavors, tagged, err = images_of()
+    assert flavors == {
+        "cpu": {"registry.example.com/ml/drmas-cpu:0.1.0-9f8e"},
+        "gpu": {"registry.example.com/ml/drmas-gpu:0.1.0-9f8e"},
+    }
+    assert tagged == "registry.example.com/ml/drmas-gpu:0.1.0-9f8e" and "warning" not in err
+    flavors, _, _ = images_of("--image-tag", "0.2.0")  # the registry of the record, the tag given
+    assert flavors["cpu"] == {"registry.example.com/ml/drmas-cpu:0.2.0"}
+
+
+def test_the_steps_that_join_the_ray_cluster_get_its_token(tmp_path):
+    """With ray.address, rollout, update and evaluate (the pool's drivers) get
+    RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from drmas-ray-token/auth_token; no other step
+    does (the warm start trains in its own pod), and without ray.address none does."""
+    for name, overrides in (("math_gpu", ()), ("math_gpu", ("ray.address=null",)), ("math_tiny", ())):
+        config = config_of(name, *overrides)
+        spec, platform = compiled(tmp_path, "train", config)
+        joined = set()
+        for task_name, (stage, container, k8s) in executors_by_task(spec, platform).items():
+            env = {e["name"]: e["value"] for e in container.get("env", [])}
+            tokens = [
+                (s["secretName"], e["secretKey"], e["envVar"])
+                for s in k8s.get("secretAsEnv", [])
+                for e in s["keyToEnv"]
+                if s["secretName"] == "drmas-ray-token"
+            ]
+            if env.get("RAY_AUTH_MODE") == "token":
+                assert tokens == [("drmas-ray-token", "auth_token", "RAY_AUTH_TOKEN")], task_name
+                joined.add(stage)
+            else:
+                assert "RAY_AUTH_MODE" not in env and tokens == [], task_name
+        assert joined == ({"rollout", "update", "evaluate"} if config.ray.address else set()), (name, overrides)
+
+
+def test_update_pods_get_a_scratch_volume_sized_for_what_they_write(tmp_path):
+    """Every update task mounts an emptyDir at /scratch with a size limit, and its TMPDIR
+    and RAY_TMPDIR point there; no other task has one. A pod that only drives the pool on
+    a Ray cluster writes little (2Gi); one that trains a 4B model in bf16 in the pod holds
+    two copies of the policy and the optimizer state (12 bytes a parameter) and more."""
+    from drmas.planning import architecture_of
+
+    for overrides, expected in ((), "2Gi"), (("ray.address=null",), None):
+        config = config_of("math_gpu", *overrides)
+        spec, platform = compiled(tmp_path, "train", config)
+        sizes = set()
+        for task_name, (stage, container, k8s) in executors_by_task(spec, platform).items():
+            env = {e["name"]: e["value"] for e in container.get("env", [])}
+            if stage != "update":
+                assert "emptyDirMounts" not in k8s and "TMPDIR" not in env, task_name
+                continue
+            [mount] = k8s["emptyDirMounts"]
+            assert mount["volumeName"] == "scratch" and mount["mountPath"] == "/scratch"
+            assert env["TMPDIR"] == env["RAY_TMPDIR"] == "/scratch"
+            sizes.add(mount["sizeLimit"])
+        assert sizes == {update_scratch_size(config)}
+        if expected:
+            assert sizes == {expected}
+        else:
+            group = config.worker_groups()[0]
+            params = architecture_of(group.model, group.spec)[0].params
+            assert group.spec.dtype == "bfloat16" and config.train.backend == "deepspeed"
+            gib = int(sizes.pop().removesuffix("Gi"))
+            assert params * (2 * 2 + 12) < gib << 30 < params * (2 * 2 + 12) * 1.25 + (3 << 30)
+    tiny = config_of("math_tiny")  # scratch models: a few MB each, 2 GiB of headroom
+    assert update_scratch_size(tiny) == "3Gi"
+
+
+def test_a_spec_for_an_older_kfp_backend_drops_what_it_does_not_know(tmp_path, capsys):
+    """KFP < 2.15 has no optional secret keys, < 2.5 no secret names as parameters, < 2.4
+    no resource* fields (read in KFP's source, see pipelines.platform): --kfp-backend
+    writes a spec without them, the endpoint key then required; 2.15 is left as compiled;
+    older than 2.3 is refused."""
+    config = config_of("math_gpu")
+
+    def rewritten(backend: str) -> tuple[str, dict, dict, list[str]]:
+        _, _ = compiled(tmp_path, "train", config)
+        path = tmp_path / "train-0.yaml"
+        before = path.read_text()
+        changes = for_backend(path, backend)
+        spec, platform = yaml.safe_load_all(path.read_text())
+        return before, spec, platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"], changes
+
+    before, _, _, changes = rewritten("2.15")
+    assert changes == [] and (tmp_path / "train-0.yaml").read_text() == before
+    _, spec, executors, changes = rewritten("2.5")
+    secrets = [s for e in executors.values() for s in e["secretAsEnv"]]
+    assert not any("optional" in s for s in secrets) and all("secretNameParameter" in s for s in secrets)
+    assert any("AWS_ENDPOINT_URL" in change for change in changes)
+    assert "resourceCpuRequest" in json.dumps(spec)
+    _, spec, executors, changes = rewritten("2.3")
+    text = json.dumps(executors)
+    assert '"optional"' not in text and "secretNameParameter" not in text
+    assert {
+        (s["secretName"], k["secretKey"]) for e in executors.values() for s in e["secretAsEnv"] for k in s["keyToEnv"]
+    } >= {(S3_SECRET, "AWS_ENDPOINT_URL"), ("drmas-ray-token", "auth_token")}
+    assert all("emptyDirMounts" in e for label, e in executors.items() if label.startswith("exec-update"))
+    resources = [e["container"]["resources"] for e in spec["deploymentSpec"]["executors"].values()]
+    assert not any(key.startswith("resource") for r in resources for key in [*r, *r.get("accelerator", {})])
+    assert all("cpuRequest" in r and "memoryLimit" in r for r in resources)
+    with pytest.raises(ValueError, match="KFP 2.3 or later"):
+        for_backend(tmp_path / "train-0.yaml", "2.2")
+    out = tmp_path / "cli.yaml"
+    file = str(ROOT / "configs" / "math_qwen3_4b_gpu.yaml")
+    assert main(["compile", file, "experiment.iterations=1", "-o", str(out), "--kfp-backend", "2.3"]) == 0
+    assert "for KFP 2.3: secret keys required" in capsys.readouterr().err and "optional" not in out.read_text()
+    assert main(["compile", file, "-o", str(out), "--kfp-backend", "2.0"]) == 1
+    assert "KFP 2.0 is not supported" in capsys.readouterr().err
+
+
+def test_compile_warns_when_a_pipeline_runs_more_iterations_than_one_kfp_run_should(tmp_path, capsys):
+    file = str(ROOT / "configs" / "math_tiny.yaml")
+    out = tmp_path / "pipeline.yaml"
+    assert main(["compile", file, "experiment.iterations=3", "eval.every=0", "-o", str(out)]) == 0
+    assert "warning: the pipeline runs" not in capsys.readouterr().err
+    options = ["experiment.iterations=3", "eval.every=0", "-o", str(out), "--iterations-per-run", "2"]
+    assert main(["compile", file, *options]) == 0
+    err = capsys.readouterr().err
+    assert "warning: the pipeline runs 3 iterations, more than --iterations-per-run 2" in err
+    assert main(["compile", file, *options, "--iterations", "2"]) == 0
+    assert "warning: the pipeline runs" not in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------
@@ -617,6 +785,7 @@ def test_submit_posts_the_compiled_pipeline_with_its_parameters(tmp_path, capsys
     import kfp
 
     monkeypatch.setattr(kfp.Client, "_LOCAL_KFP_CONTEXT", str(tmp_path / "kfp-context.json"))  # no user settings
+    monkeypatch.setenv("DRMAS_LAST_BUILD", str(tmp_path / "no-build"))  # the default images, with a warning
     config_file = str(ROOT / "configs" / "math_qwen3_4b_gpu.yaml")
     config = load_config(config_file, ["experiment.iterations=2"])
     with StubKfpApi() as api:
@@ -727,3 +896,75 @@ def test_a_kfp_task_setter_misused_still_names_itself():
 
     assert misuse is not None
     assert len(raised) == 1 and raised[0].startswith("set_cpu_request can only be used on single-step components")
+
+
+def test_submit_runs_a_long_run_in_parts_and_prints_the_next_ones(tmp_path, capsys, monkeypatch):
+    """A run longer than --iterations-per-run: KFP cannot start a run when another ends, and
+    a part can only start once the checkpoint before it exists, so `drmas submit` starts
+    the first part and prints the exact command of each next one (run id and images
+    pinned). Running the printed command submits the next part, starting from the
+    checkpoint the part before ends with."""
+    import shlex
+
+    import kfp
+
+    monkeypatch.setattr(kfp.Client, "_LOCAL_KFP_CONTEXT", str(tmp_path / "kfp-context.json"))
+    monkeypatch.setenv("DRMAS_LAST_BUILD", str(tmp_path / "no-build"))
+    config_file = str(ROOT / "configs" / "math_qwen3_4b_gpu.yaml")
+    images = ["--image-registry", "registry.example.com/ml", "--image-tag", "0.1.0-1a2b"]
+
+    def iterations_of(run: dict) -> list[int]:
+        tasks = run["pipeline_spec"]["pipeline_spec"]["root"]["dag"]["tasks"].values()
+        return sorted(
+            t["inputs"]["parameters"]["iteration"]["runtimeValue"]["constant"]
+            for t in tasks
+            if stage_of(t) == "rollout"
+        )
+
+    with StubKfpApi() as api:
+        argv = ["submit", config_file, "experiment.iterations=25", "--host", api.host, "--run-id", "r9", *images]
+        code = main([*argv, "--iterations-per-run", "10"])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        assert "submitted iterations 0..9 (part 1/3) of the train pipeline" in captured.out
+        commands = [line.strip() for line in captured.out.splitlines() if line.strip().startswith("drmas submit")]
+        assert len(commands) == 2
+        second, third = (shlex.split(command) for command in commands)
+        assert second[second.index("--start-iteration") + 1 :][:3] == ["10", "--iterations", "10"]
+        assert third[third.index("--start-iteration") + 1 :][:3] == ["20", "--iterations", "5"]
+        for words in (second, third):
+            assert words[2:4] == [config_file, "experiment.iterations=25"]
+            assert words[words.index("--run-id") + 1] == "r9" and words[words.index("--host") + 1] == api.host
+            assert words[words.index("--image-tag") + 1] == "0.1.0-1a2b"
+        assert main(second[1:]) == 0, capsys.readouterr().err
+        assert "submitted the train pipeline" in capsys.readouterr().out  # one part: no further commands
+    first, then = api.runs
+    assert iterations_of(first) == list(range(10)) and iterations_of(then) == list(range(10, 20))
+    assert first["display_name"] == "r9 iterations 0..9 (part 1/3)"
+    assert then["display_name"] == "r9 iterations 10..19 (part 2/3)"
+    assert "start_checkpoint" not in first["runtime_config"]["parameters"]
+    assert (
+        then["runtime_config"]["parameters"]["start_checkpoint"]
+        == "s3://drmas/runs/math-qwen3-4b/r9/iter-000009/checkpoint"
+    )
+    executors = then["pipeline_spec"]["pipeline_spec"]["deploymentSpec"]["executors"].values()
+    assert {e["container"]["image"].rpartition(":")[2] for e in executors if "container" in e} == {"0.1.0-1a2b"}
+
+
+def test_submit_to_a_profile_namespace_runs_as_its_default_account(tmp_path, capsys, monkeypatch):
+    """With --namespace (a Profile of multi-user Kubeflow) the steps run as the namespace's
+    default-editor: no service account in the run, unless one is given."""
+    import kfp
+
+    monkeypatch.setattr(kfp.Client, "_LOCAL_KFP_CONTEXT", str(tmp_path / "kfp-context.json"))
+    monkeypatch.setenv("DRMAS_LAST_BUILD", str(tmp_path / "no-build"))
+    config_file = str(ROOT / "configs" / "math_qwen3_4b_gpu.yaml")
+    with StubKfpApi() as api:
+        argv = ["submit", config_file, "experiment.iterations=1", "--host", api.host, "--run-id", "r1"]
+        assert main([*argv, "--namespace", "kubeflow-user-example-com"]) == 0, capsys.readouterr().err
+        assert main([*argv, "--namespace", "team", "--service-account", "runner"]) == 0, capsys.readouterr().err
+        assert main(argv) == 0, capsys.readouterr().err
+    profile, named, standalone = api.runs
+    assert not profile.get("service_account")
+    assert named["service_account"] == "runner" and standalone["service_account"] == "drmas-pipeline"
+    assert api.unexpected == []
