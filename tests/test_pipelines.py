@@ -369,8 +369,9 @@ def test_the_steps_that_join_the_ray_cluster_get_its_token(tmp_path):
 
 
 def test_update_pods_get_a_scratch_volume_sized_for_what_they_write(tmp_path):
-    """Every update task mounts an emptyDir at /scratch with a size limit, and its TMPDIR
-    and RAY_TMPDIR point there; no other task has one. A pod that only drives the pool on
+    """Every update task mounts an emptyDir at /tmp (Python's and Ray's temporary folder)
+    with a size limit, and sets no environment variable for it (kfp.local would apply it to
+    the local process); no other task has one. A pod that only drives the pool on
     a Ray cluster writes little (2Gi); one that trains a 4B model in bf16 in the pod holds
     two copies of the policy and the optimizer state (12 bytes a parameter) and more."""
     from drmas.planning import architecture_of
@@ -381,12 +382,12 @@ def test_update_pods_get_a_scratch_volume_sized_for_what_they_write(tmp_path):
         sizes = set()
         for task_name, (stage, container, k8s) in executors_by_task(spec, platform).items():
             env = {e["name"]: e["value"] for e in container.get("env", [])}
+            assert not {"TMPDIR", "RAY_TMPDIR"} & set(env), task_name
             if stage != "update":
-                assert "emptyDirMounts" not in k8s and "TMPDIR" not in env, task_name
+                assert "emptyDirMounts" not in k8s, task_name
                 continue
             [mount] = k8s["emptyDirMounts"]
-            assert mount["volumeName"] == "scratch" and mount["mountPath"] == "/scratch"
-            assert env["TMPDIR"] == env["RAY_TMPDIR"] == "/scratch"
+            assert mount["volumeName"] == "scratch" and mount["mountPath"] == "/tmp"
             sizes.add(mount["sizeLimit"])
         assert sizes == {update_scratch_size(config)}
         if expected:

@@ -70,8 +70,10 @@ S3_OPTIONAL_KEYS = ("AWS_ENDPOINT_URL",)
 RAY_TOKEN_SECRET = "drmas-ray-token"
 RAY_TOKEN_KEY = "auth_token"
 """The Secret and key of the Ray cluster's token (``manifests/pipelines/secrets.yaml``)."""
-SCRATCH = "/scratch"
-"""Where the update pods' scratch volume is mounted; ``TMPDIR`` and ``RAY_TMPDIR`` point there."""
+SCRATCH = "/tmp"
+"""Where the update pods' scratch volume is mounted: the default temporary folder of Python
+(``tempfile``) and of Ray (its session folder, object spilling), so no environment
+variable has to point there (kfp.local would apply one to the local process too)."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ class Placement:
     ray_token: bool = False
     """Joins the run's Ray cluster: gets the cluster's token (``RAY_AUTH_MODE=token``)."""
     scratch: str | None = None
-    """Size limit of an ``emptyDir`` scratch volume at ``SCRATCH`` (``TMPDIR``), or none."""
+    """Size limit of an ``emptyDir`` scratch volume at ``SCRATCH`` (``/tmp``), or none."""
 
 
 CPU_NODES = Placement(
@@ -158,8 +160,11 @@ def update_scratch_size(config) -> str:
     saved before upload (12 bytes per parameter under DeepSpeed's bf16 mixed precision:
     fp32 master weights and two Adam moments; 2 x dtype bytes otherwise, as
     ``drmas.planning`` counts it); Ray's session folder and object spilling go there too
-    (``RAY_TMPDIR``). The largest worker group's sum, plus a quarter and 2 GiB, rounded up
+    (all in ``/tmp``). The largest worker group's sum, plus a quarter and 2 GiB, rounded up
     to GiB; ``SCRATCH_GIB_UNKNOWN_MODEL`` for a model whose size the plan cannot read.
+    Not in it: the pool workers' policy cache (``~/.cache/drmas/policies``, the
+    container's writable layer). KFP sets no ephemeral-storage request (it has none), so
+    the scheduler does not reserve this: a LimitRange of the pipeline namespace can.
     """
     if config.ray.address:
         return f"{DRIVER_SCRATCH_GIB}Gi"
@@ -213,7 +218,7 @@ def place(task: PipelineTask, placement: Placement, secret: str = S3_SECRET) -> 
     kubernetes.use_secret_as_env(
         task, secret_name=secret, secret_key_to_env={key: key for key in S3_OPTIONAL_KEYS}, optional=True
     )
-    if placement.ray_token:
+    if placement.ray_token:  # (kfp.local applies RAY_AUTH_MODE to the local process too)
         task.set_env_variable("RAY_AUTH_MODE", "token")
         kubernetes.use_secret_as_env(
             task, secret_name=RAY_TOKEN_SECRET, secret_key_to_env={RAY_TOKEN_KEY: "RAY_AUTH_TOKEN"}
@@ -221,10 +226,9 @@ def place(task: PipelineTask, placement: Placement, secret: str = S3_SECRET) -> 
     if placement.scratch:
         # KFP has no ephemeral-storage request (kfp.dsl.structures.ResourceSpec: cpu,
         # memory, accelerator; kfp-kubernetes: volumes, no container resources): an emptyDir
-        # with a size limit bounds what the pod writes (the kubelet evicts it beyond), and
-        # the temporary folders point there.
+        # with a size limit at /tmp bounds what the pod writes there (the kubelet evicts
+        # the pod beyond it).
         kubernetes.empty_dir_mount(task, volume_name="scratch", mount_path=SCRATCH, size_limit=placement.scratch)
-        task.set_env_variable("TMPDIR", SCRATCH).set_env_variable("RAY_TMPDIR", SCRATCH)
     return task
 
 
