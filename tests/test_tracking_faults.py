@@ -261,3 +261,30 @@ def test_experiments_open_on_training_runs_in_the_mlflow_ui(tmp_path):
     client.set_experiment_tag(experiment.experiment_id, "mlflow.experimentKind", "genai_development")
     Tracker(_config(uri), "second", str(tmp_path / "runs")).finish()
     assert client.get_experiment(experiment.experiment_id).tags["mlflow.experimentKind"] == "genai_development"
+
+
+def test_a_pipelines_tracking_steps_never_fail_it(tmp_path, caplog):
+    """The Kubeflow tracking steps with MLflow unreachable (a refused port): each returns
+    (the step succeeds), says in a warning what was not logged and why, and the start and
+    end steps still publish their page, naming the store and the problem."""
+    from localmlflow import _free_port
+
+    from drmas.infra.store import Store
+    from drmas.stages.track import track_end, track_iteration, track_start
+
+    config = _config(f"http://127.0.0.1:{_free_port()}")
+    store = Store(str(tmp_path / "runs"))
+    with caplog.at_level("WARNING", logger="drmas"):
+        started = time.monotonic()
+        start = track_start(config, store, "r", 0, {"kfp.run_id": "k"})
+        track_iteration(config, store, "r", 0)
+        end = track_end(config, store, "r", config.experiment.iterations - 1)
+        took = time.monotonic() - started
+    assert took < 30
+    for page in (start, end):
+        assert "cannot open the MLflow run" in page and str(tmp_path / "runs" / "math-tiny" / "r") in page
+    warnings = [record.getMessage() for record in caplog.records]
+    assert any("the start of the run not logged to MLflow" in w for w in warnings)
+    assert any("iteration 0 not logged to MLflow" in w for w in warnings)
+    assert any("the end of the run not logged to MLflow" in w for w in warnings)
+    assert all("the pipeline goes on" in w for w in warnings if "not logged" in w)
