@@ -170,7 +170,8 @@ def test_force_turns_off_caching_for_the_named_tasks_only(tmp_path):
     forced = set()
     for task in spec["root"]["dag"]["tasks"].values():
         force = task["inputs"]["parameters"].get("force", {}).get("runtimeValue", {}).get("constant", False)
-        assert task.get("cachingOptions", {}).get("enableCache", False) is (not force)
+        cached = not force and task["taskInfo"]["name"] != "mlflow: start"  # it tags each KFP run's id
+        assert task.get("cachingOptions", {}).get("enableCache", False) is cached
         if force:
             forced.add(task["taskInfo"]["name"])
     assert forced == {
@@ -200,6 +201,8 @@ def test_the_train_pipeline_logs_each_iteration_to_mlflow_after_it_is_stored(tmp
     start = tasks["mlflow: start"][1]["inputs"]["parameters"]
     assert start["kfp_run_id"]["runtimeValue"]["constant"] == dsl.PIPELINE_JOB_ID_PLACEHOLDER
     assert start["first_iteration"]["runtimeValue"]["constant"] == 0
+    assert not tasks["mlflow: start"][1].get("cachingOptions", {}).get("enableCache", False)
+    assert tasks["mlflow: iteration 0"][1]["cachingOptions"]["enableCache"]
 
     def after(name: str) -> set[str]:
         keys = {key: task_name for task_name, (key, _) in tasks.items()}
@@ -224,7 +227,7 @@ def test_updates_whose_optimizer_state_the_pool_holds_are_never_skipped_by_kfp(t
     updates = {name for name in caching if name.startswith("update ")}
     assert len(updates) == 2 * config.experiment.iterations
     assert not any(caching[name] for name in updates)
-    assert all(caching[name] for name in caching if name not in updates)
+    assert all(caching[name] for name in caching if name not in updates | {"mlflow: start"})
 
 
 def test_force_names_are_checked():
@@ -859,7 +862,7 @@ def test_submit_posts_the_compiled_pipeline_with_its_parameters(tmp_path, capsys
     # The forced task, and the updates: the recipe stores optimizer states every 10th
     # iteration, so KFP must never skip an update (the pool holds the state in between).
     uncached = {name for name, enabled in caching.items() if not enabled}
-    assert uncached == {"advantage 1", *(name for name in caching if name.startswith("update "))}
+    assert uncached == {"advantage 1", "mlflow: start", *(name for name in caching if name.startswith("update "))}
     assert len(uncached) == 1 + 2 * 2  # two worker groups, two iterations
     assert second["display_name"] == "r1 train (force advantage@1)"
 

@@ -141,7 +141,10 @@ class _Builder:
         """Whether KFP may skip the task when its inputs are the same artifacts. Not an
         update whose optimizer states are stored only every ``checkpoint.every``-th
         iteration: skipped, it leaves the pool no state for the next update (drmas's own
-        cache, which the task still consults, reuses only updates whose state is stored)."""
+        cache, which the task still consults, reuses only updates whose state is stored). Nor
+        the tracking step that opens the MLflow run."""
+        if stage == "track_start":
+            return False  # each KFP run that continues the drmas run tags it with its own id
         return stage != "update" or self.config.checkpoint.every == 1
 
     def starting_point(self, config_json, run_id, first: int, start_checkpoint):
@@ -183,7 +186,7 @@ class _Builder:
             kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
             image=self.images["gpu"],
         )
-        return self.task("track", task, "mlflow: start")
+        return self.task("track_start", task, "mlflow: start")
 
     def track(self, config_json, run_id, iteration: int, after: PipelineTask, name: str, **inputs) -> PipelineTask:
         """The step that logs ``iteration`` (-1: the evaluation before training) once its
