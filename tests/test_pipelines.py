@@ -863,7 +863,7 @@ def test_submit_posts_the_compiled_pipeline_with_its_parameters(tmp_path, capsys
     # iteration, so KFP must never skip an update (the pool holds the state in between).
     uncached = {name for name, enabled in caching.items() if not enabled}
     assert uncached == {"advantage 1", "mlflow: start", *(name for name in caching if name.startswith("update "))}
-    assert len(uncached) == 1 + 2 * 2  # two worker groups, two iterations
+    assert len(uncached) == 2 + 2 * 2  # the forced advantage, the MLflow start, two worker groups x two iterations
     assert second["display_name"] == "r1 train (force advantage@1)"
 
 
