@@ -941,6 +941,27 @@ def service_name_problems(docs: list[dict]) -> list[str]:
     return problems
 
 
+def ephemeral_storage_problems(docs: list[dict]) -> list[str]:
+    """Each pipeline namespace (where the steps' Role is) gives its containers a default
+    ephemeral-storage request (KFP cannot ask per task) and no default limit (one under
+    what an update writes would evict it)."""
+    found = []
+    for role in find(docs, "Role", "drmas-pipeline"):
+        namespace = role["metadata"].get("namespace")
+        limits = [
+            limit
+            for doc in find(docs, "LimitRange")
+            if doc["metadata"].get("namespace") == namespace
+            for limit in doc["spec"].get("limits", [])
+            if limit.get("type") == "Container"
+        ]
+        if not any("ephemeral-storage" in limit.get("defaultRequest", {}) for limit in limits):
+            found.append(f"pipeline namespace {namespace}: no default ephemeral-storage request (LimitRange)")
+        if any("ephemeral-storage" in limit.get("default", {}) for limit in limits):
+            found.append(f"pipeline namespace {namespace}: a default ephemeral-storage limit would evict updates")
+    return found
+
+
 def duplicate_problems(docs: list[dict]) -> list[str]:
     keys = [key(doc) for doc in docs]
     return [f"{k}: defined twice" for k in sorted(set(keys), key=str) if keys.count(k) > 1]
@@ -961,6 +982,7 @@ def problems(docs: list[dict], *, templates_only: bool = True) -> list[str]:
         + ray_auth_problems(docs)
         + service_name_problems(docs)
         + retrieval_problems(docs)
+        + ephemeral_storage_problems(docs)
     )
 
 
@@ -1014,7 +1036,7 @@ def test_rendering_applies_namespace_images_and_patches() -> None:
             expected = "drmas" if doc["kind"] == "NetworkPolicy" else pipelines
             assert doc["metadata"]["namespace"] == expected, key(doc)
     assert sorted(d["kind"] for d in standalone) == sorted(
-        ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Secret", "Secret"] + ["NetworkPolicy"] * 3
+        ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Secret", "Secret", "LimitRange"] + ["NetworkPolicy"] * 3
     )
     assert sorted(d["kind"] for d in profile) == sorted(d["kind"] for d in standalone if d["kind"] != "ServiceAccount")
     # Every object is one the validators know: core kinds (kubernetes-validate) or ray.io/v1.
@@ -1652,7 +1674,22 @@ def _ray_token_to_retrieval(docs: list[dict]) -> None:
     _retrieval(docs)["envFrom"] = [{"secretRef": {"name": "drmas-ray-token"}}]
 
 
+def _no_ephemeral_storage_request(docs: list[dict]) -> None:
+    docs.remove(one(docs, "LimitRange", "drmas-pipeline-ephemeral-storage"))
+
+
+def _ephemeral_storage_limit(docs: list[dict]) -> None:
+    one(docs, "LimitRange", "drmas-pipeline-ephemeral-storage")["spec"]["limits"][0]["default"] = {
+        "ephemeral-storage": "2Gi"
+    }
+
+
 BREAKAGES: dict[str, tuple[Callable[[list[dict]], None], str]] = {
+    "pipeline pods ask for no ephemeral storage": (
+        _no_ephemeral_storage_request,
+        "pipeline namespace kubeflow: no default ephemeral-storage request",
+    ),
+    "pipeline pods limited in ephemeral storage": (_ephemeral_storage_limit, "would evict updates"),
     "RayCluster field misspelled": (_misspell_worker_groups, "'workerGroupSpec' was unexpected"),
     "field misspelled inside a Ray pod template": (
         _misspell_in_worker_pod,
