@@ -576,7 +576,11 @@ def test_kfp_local_runs_every_stage_then_recomputes_only_the_forced_one(tmp_path
     }
     after = manifests(run)
     assert after.keys() == before.keys()
-    assert [name for name in after if after[name] != before[name]] == ["iter-000000/advantage/_MANIFEST.json"]
+    # and the report, which the end of the run writes again from the iteration's new artifacts
+    assert [name for name in after if after[name] != before[name]] == [
+        "iter-000000/advantage/_MANIFEST.json",
+        "report/_MANIFEST.json",
+    ]
     assert (run / "iter-000000" / "advantage" / "batch.parquet").read_bytes() == batch
 
     output, tasks = kfp_local(tmp_path)
@@ -690,6 +694,12 @@ def test_a_kfp_local_run_is_one_mlflow_run_like_an_embedded_one(tracked_runs: Tr
     for run in (kfp, embedded):
         versions = client.search_model_versions(f"run_id='{run.info.run_id}'")
         assert sorted(v.name for v in versions) == [f"{TRACKED_EXPERIMENT}-solver", f"{TRACKED_EXPERIMENT}-verifier"]
+        # a local store: the source is a pointer in the run's artifacts (a server refuses a
+        # local path), the tag names the policy in the store
+        store = tracked_runs.folder / ("kfp" if run is kfp else "embedded") / "runs"
+        for version in versions:
+            assert version.source == f"runs:/{run.info.run_id}/policies/{version.tags['drmas.wg']}"
+            assert Path(version.tags["drmas.store_uri"]).is_relative_to(store)
 
     link = f"{tracked_runs.server.uri}/#/experiments/{experiment.experiment_id}/runs/{kfp.info.run_id}"
     pages = {

@@ -483,6 +483,10 @@ class Tracker:
             self._submit(_Call("models", lambda client, wg=wg, uri=uri: self._register(client, wg, uri, iteration)))
 
     def _register(self, client, wg: str, uri: str, iteration: int) -> None:
+        """A version whose source is the policy's store URI. An MLflow server refuses a
+        local path as a source (outside the run's artifacts), so a policy in a local store
+        gets a pointer in the run's artifacts (``policies/{wg}/policy.json``) as its source
+        instead; the tag ``drmas.store_uri`` names the policy either way."""
         from mlflow.exceptions import MlflowException  # noqa: PLC0415
 
         name = f"{self.experiment_name}-{wg}"
@@ -493,9 +497,13 @@ class Tracker:
         except MlflowException as error:
             if error.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
-        client.create_model_version(
-            name, source=uri, run_id=self.mlflow_run_id, tags={"drmas.wg": wg, "drmas.iteration": str(iteration)}
-        )
+        source = uri
+        if uri.startswith(("/", "file:")) and self.uri.startswith(("http://", "https://")):
+            pointer = {"store_uri": uri, "wg": wg, "iteration": iteration}
+            client.log_dict(self.mlflow_run_id, pointer, f"policies/{wg}/policy.json")
+            source = f"runs:/{self.mlflow_run_id}/policies/{wg}"
+        tags = {"drmas.wg": wg, "drmas.iteration": str(iteration), "drmas.store_uri": uri}
+        client.create_model_version(name, source=source, run_id=self.mlflow_run_id, tags=tags)
 
     def finish(self, status: str = "FINISHED") -> None:
         """End the MLflow run after one last try at everything waiting (whatever the
