@@ -7,6 +7,21 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
+STAGES_MAY_IMPORT = {
+    "algos",
+    "config",
+    "registry",
+    "infra",
+    "models",
+    "tasks",
+    "team",
+    "training",
+    "generation",
+    "stages",
+    "analysis.report",
+}
+"""Everything below the runner, and a run's report."""
+
 ALLOWED: dict[str, set[str]] = {
     "algos": set(),
     "config": {"registry"},  # task and orchestra names are checked when a config loads
@@ -20,33 +35,9 @@ ALLOWED: dict[str, set[str]] = {
     "training": {"algos", "config", "training"},
     "generation": {"config", "infra", "models", "generation"},
     # A run's report is written at its end (stages.track: the runner's and the pipelines' last step).
-    "stages": {
-        "algos",
-        "config",
-        "registry",
-        "infra",
-        "models",
-        "tasks",
-        "team",
-        "training",
-        "generation",
-        "stages",
-        "analysis.report",
-    },
+    "stages": STAGES_MAY_IMPORT,
     # `drmas compare` (analysis) runs runs.
-    "runner": {
-        "algos",
-        "config",
-        "registry",
-        "infra",
-        "models",
-        "tasks",
-        "team",
-        "training",
-        "generation",
-        "stages",
-        "analysis.report",
-    },
+    "runner": STAGES_MAY_IMPORT,
     "analysis": {"config", "infra", "runner", "analysis"},
     # The memory plan sizes the rollout with the SGLang engine's memory share.
     "planning": {"config", "generation.engines"},

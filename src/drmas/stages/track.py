@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from drmas.analysis.report import iteration_metrics, run_history, write_report
+from drmas.analysis.report import History, iteration_metrics, run_history, write_report
 from drmas.config import DrmasConfig
 from drmas.infra.layout import optim_path, policy_path, run_path, stage_path
 from drmas.infra.store import Store, iteration_path
@@ -121,14 +121,23 @@ def stored_iteration(
 
 
 def finish_run(
-    config: DrmasConfig, store: Store, run_id: str, tracker: Tracker, summary: RunSummary, policies: dict[str, str]
+    config: DrmasConfig,
+    store: Store,
+    run_id: str,
+    tracker: Tracker,
+    summary: RunSummary,
+    policies: dict[str, str],
+    history: History | None = None,
 ) -> None:
-    """The report (into the store and MLflow), each worker group's final policy registered
-    (``policies``: wg -> store path), and the MLflow run ended; fills in ``summary.report``."""
+    """The report (into the store and MLflow) of ``history`` (default: the run's, read from
+    the store), each worker group's final policy registered (``policies``: wg -> store
+    path), and the MLflow run ended; fills in ``summary.report``."""
+    if history is None:
+        history = run_history(config, store, run_id)
     path = f"{run_path(config.experiment.name, run_id)}/report"
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "report"
-        files = write_report(config, run_history(config, store, run_id), folder, summary_table(summary, config.eval.k))
+        files = write_report(config, history, folder, summary_table(summary, config.eval.k))
         (folder / TRACKING_FILE).write_text(
             json.dumps({"uri": summary.tracking, "experiment_id": tracker.experiment_id, "run": tracker.mlflow_run_id})
         )
@@ -249,7 +258,7 @@ def track_end(config: DrmasConfig, store: Store, run_id: str, last_iteration: in
         if last_iteration == config.experiment.iterations - 1:
             groups = [group.name for group in config.worker_groups()]
             policies = {wg: policy_path(config.experiment.name, run_id, last_iteration, wg) for wg in groups}
-            finish_run(config, store, run_id, tracker, summary, policies)
+            finish_run(config, store, run_id, tracker, summary, policies, history)
         else:
             tracker.close()
     except Exception as error:  # tracking never fails the pipeline: see _not_logged
