@@ -29,6 +29,7 @@ from drmas.registry import get_task, orchestra_agents
 
 __all__ = [
     "AgentConfig",
+    "LoraSpec",
     "ConfigError",
     "DrmasConfig",
     "PolicyError",
@@ -89,6 +90,14 @@ class TaskConfig(Section):
     """search: at most this many Verifier turns per episode."""
     retrieval_top_k: int = Field(3, ge=1)
     """search: passages returned per query."""
+    retrieval_stemmer: Literal["none", "english"] = "none"
+    """search: stem BM25 terms with the Snowball English stemmer (PyStemmer), so that
+    "running" finds "runs". Passages and queries are tokenised alike, and the corpus hash
+    holds this setting: an index built otherwise is neither reused nor accepted from a
+    retrieval service (start it with ``--stemmer``)."""
+    retrieval_stopwords: Literal["none", "english"] = "english"
+    """search: drop bm25s's English stop words from passages and queries ('none' keeps
+    every word; the service's ``--stopwords``); part of the corpus hash too."""
     retrieval_url: str | None = None
     """search: base URL of a retrieval service (``drmas serve-retrieval``), e.g.
     http://drmas-retrieval.drmas.svc.cluster.local:8080. Unset: BM25 in the stage's own
@@ -111,6 +120,13 @@ class TaskConfig(Section):
     """A missing or malformed verifier verdict counts as approve (math) or as 'enough
     information, answer now' (search), as the reference code does; False makes it reject /
     search again."""
+    prompts: Literal["reference", "compact"] = "compact"
+    """The built-in agents' prompt set (drmas.team.prompts). 'reference': modelled on the
+    reference's agents, for pretrained chat models (the team's task, teammates' outputs
+    under a heading, the role and the exact output format). 'compact': a line per role,
+    for models built from scratch, which learn the roles from warm-start demonstrations.
+    Unset: compact when a model is built from scratch, else reference (set compact for a
+    policy that an earlier run trained from scratch)."""
 
     @field_validator("name")
     @classmethod
@@ -137,16 +153,26 @@ class TaskConfig(Section):
 
 class DataConfig(Section):
     train: str | None = None
-    """Training prompts: a JSONL, JSON or Parquet file, local or ``s3://bucket/key`` (read
-    with ``store``'s S3 endpoint and credentials), or 'generated:NAME' for a set that ships
-    with drmas. Unset: the task's generated set (math: generated:arithmetic,
-    search: generated:facts)."""
+    """Training prompts: a JSONL, JSON or Parquet file, or a dataset folder (a ``datasets``
+    save_to_disk folder, or data files such as the hub's ``data/train-00000-of-00002.parquet``),
+    local or ``s3://bucket/key`` (read with ``store``'s S3 endpoint and credentials), or
+    'generated:NAME' for a set that ships with drmas. Unset: the task's generated set (math:
+    generated:arithmetic, search: generated:facts). docs/tasks.md lists the forms."""
     eval: str | None = None
     """Evaluation prompts, same forms as ``train`` (a generated set uses its eval split)."""
+    train_split: str = Field("train", min_length=1)
+    """The split of a dataset folder in ``train`` to read (a DatasetDict's split, or the
+    files named ``{split}-0000i-of-0000n.parquet``, ``{split}.jsonl``, ...); a folder that
+    holds one split is read whatever its name."""
+    eval_split: str = Field("test", min_length=1)
+    """The split of a dataset folder in ``eval`` to read, as ``train_split``."""
     question_field: str = "question"
-    """Column holding the question text."""
+    """Column holding the question text. Left at 'question' in a file without it, the
+    published forms are recognised: ``problem``, ``Problem``, a chat ``prompt``."""
     answer_field: str = "answer"
-    """Column holding the gold answer (a string, or a list of accepted strings)."""
+    """Column holding the gold answer (a string, or a list of accepted strings). Left at
+    'answer' in a file without it: ``Answer``, ``golden_answers``,
+    ``reward_model.ground_truth``, ``solution`` (its last boxed answer)."""
     data_source_field: str = "data_source"
     """Column naming each row's source (eval metrics are also reported per source)."""
     corpus: str | None = None
@@ -165,6 +191,26 @@ CHAT_TEMPLATE_ARGUMENTS = frozenset(
 )
 """``apply_chat_template`` arguments that drmas sets itself: not allowed as template
 variables in ``models.NAME.chat_template_kwargs``."""
+
+
+class LoraSpec(Section):
+    """Low-rank adapters (LoRA, Hu et al. 2021, through peft) instead of full fine-tuning:
+    only the adapters train and are stored (PEFT layout, safetensors) beside a reference to
+    the base policy; the rollout engines get the merged weights, and the KL reference is
+    the base itself (the adapter switched off, no second copy)."""
+
+    rank: int = Field(8, ge=1)
+    """Rank r of every adapter (A is r x in, B is out x r)."""
+    alpha: int = Field(16, ge=1)
+    """Scale: the adapter adds alpha / rank x B A to each targeted weight."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input while training (0: the trained policy is the sampled one)."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+    )
+    """Names of the linear layers that get an adapter (the suffix of their module names);
+    the default is every projection of a Qwen/Llama decoder layer."""
 
 
 class ModelSpec(Section):
@@ -186,12 +232,30 @@ class ModelSpec(Section):
     vocab_size: int = Field(512, ge=64)
     """Scratch models: tokenizer vocabulary size."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype for training and rollout."""
+    """Parameter dtype for training and rollout. bfloat16 trains in mixed precision: bf16
+    compute, fp32 master weights, gradient accumulation and optimizer state (torch and
+    DeepSpeed alike); the stored and rolled-out policy is bf16."""
+    lora: LoraSpec | None = None
+    """Train LoRA adapters instead of every weight (see LoraSpec). Unset: full fine-tuning."""
     chat_template_kwargs: TemplateVariables = {}
     """Extra variables for this model's chat template, passed to every
     ``apply_chat_template`` of its worker groups (rollout, evaluation, warm start), as the
     reference's ``data.apply_chat_template_kwargs``; e.g. ``{enable_thinking: false}`` for
     Qwen3, whose template otherwise lets the model think first."""
+    revision: str | None = None
+    """Hub ids: the branch, tag or commit hash to load (a commit hash pins the weights for
+    good). With ``HF_HUB_OFFLINE=1`` it is resolved in the local Hugging Face cache
+    (``HF_HOME`` / ``HF_HUB_CACHE``) and the hub is never asked. Unset: the hub's main."""
+    chat_template: str | None = None
+    """A Jinja chat template for this model, replacing its tokenizer's own. Needed for a
+    model whose tokenizer has none (many base models): drmas refuses such a model when it
+    loads it, naming this field. Stored with the run's initial policy, so every stage and
+    every later policy renders prompts with it."""
+    system_prompt: str | None = None
+    """A system message before every agent prompt of this model (rollout, evaluation, warm
+    start), as the reference sends "You are a helpful and harmless assistant."; a template
+    without a system role gets it at the start of the user message instead. Unset: none
+    (the template's own default, if it has one)."""
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -209,7 +273,12 @@ class ModelSpec(Section):
             problem = local_model_problem(Path(self.source).expanduser())
             if problem:
                 raise ValueError(f"source {self.source!r} {problem}")
+        hub_id = not (self.source == "scratch" or _looks_local(self.source) or "://" in self.source)
+        if self.revision is not None and not hub_id:
+            raise ValueError(f"revision {self.revision!r} pins a hub id; source {self.source!r} is not one")
         if self.source == "scratch":
+            if self.chat_template is not None:
+                raise ValueError("chat_template: a scratch model is built with drmas's own (ChatML); leave it unset")
             if self.hidden_size % self.num_heads:
                 raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
             if self.num_heads % self.num_kv_heads:
@@ -527,6 +596,7 @@ class DrmasConfig(Section):
     @model_validator(mode="after")
     def _consistent(self) -> DrmasConfig:
         problems = self._agent_problems() + self._worker_group_problems() + self._slot_problems()
+        problems += self._lora_problems()
         if self.rollout.group_size < 2:
             problems.append(
                 f"rollout.group_size: is {self.rollout.group_size}, but advantage "
@@ -545,6 +615,9 @@ class DrmasConfig(Section):
         if self.train.recompute_old_logprobs is None:
             drift = self._logprobs_may_drift()
             self.train = self.train.model_copy(update={"recompute_old_logprobs": drift})
+        if "prompts" not in self.task.model_fields_set:
+            scratch = any(g.spec is not None and g.spec.source == "scratch" for g in self.worker_groups())
+            self.task = self.task.model_copy(update={"prompts": "compact" if scratch else "reference"})
         return self
 
     def _logprobs_may_drift(self) -> bool:
@@ -603,6 +676,19 @@ class DrmasConfig(Section):
                         "worker groups (workers.sharing: none)"
                     )
         return problems
+
+    def _lora_problems(self) -> list[str]:
+        """LoRA trains on the torch engine and DeepSpeed ZeRO 0-2. ZeRO-3 partitions the
+        frozen base too, and the adapter merge for the rollout engines and the KL reference
+        (the adapter switched off) read whole base weights: not supported (yet)."""
+        if self.train.backend != "deepspeed" or self.train.zero_stage < 3:
+            return []
+        return [
+            f"models.{name}.lora: LoRA is not supported with train.zero_stage 3; use zero_stage 0-2 "
+            "(the frozen base is not partitioned there, and the adapters' optimizer state is small)"
+            for name, spec in self.models.items()
+            if spec.lora is not None
+        ]
 
     def _slot_problems(self) -> list[str]:
         try:
@@ -756,6 +842,11 @@ class WorkerGroup:
         """The template variables of this group's model (none for a model named directly
         by hub id or folder instead of by a key of ``models``)."""
         return dict(self.spec.chat_template_kwargs) if self.spec is not None else {}
+
+    @property
+    def system_prompt(self) -> str | None:
+        """The system message of this group's model (``models.NAME.system_prompt``)."""
+        return self.spec.system_prompt if self.spec is not None else None
 
 
 # --------------------------------------------------------------------------------------

@@ -2,11 +2,11 @@
 
 ``WorkerGroupRuntime`` runs inside a Ray actor (one per worker group and slot) or
 in-process. For the rollout it turns agent prompts (text) into chat-formatted token ids
-with ITS OWN tokenizer and its model's chat-template variables, so a heterogeneous team
-(different models, different tokenizers, Qwen3 with thinking off beside a model without
-that switch) just works; an over-long prompt is cut as ``rollout.truncation`` says. It
-reloads weights only when asked for a policy version other than the one it holds: the
-store is the source of truth, the actor a cache.
+with ITS OWN tokenizer, its model's chat-template variables and system message, so a
+heterogeneous team (different models, different tokenizers, Qwen3 with thinking off beside
+a model without that switch) just works; an over-long prompt is cut as
+``rollout.truncation`` says. It reloads weights only when asked for a policy version other
+than the one it holds: the store is the source of truth, the actor a cache.
 
 For the update it is one rank of its worker group's process group (``join_group``): the
 pool runs the update's per-rank function in it (``run``), and that function hands the new
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from drmas.config import PolicyError, SamplingConfig, StoreConfig, TemplateVariables
 from drmas.generation.engines import make_engine, request_seeds
+from drmas.generation.lora import ADAPTER_CONFIG, lora_base, merge_lora, read_adapter
 from drmas.infra.layout import PolicyRef
 from drmas.infra.store import Artifact, Store
 
@@ -71,6 +72,7 @@ class WorkerGroupRuntime:
         threads: int | None = None,
         truncation: Literal["middle", "left"] = "middle",
         chat_template_kwargs: TemplateVariables | None = None,
+        system_prompt: str | None = None,
     ) -> None:
         if threads:
             import torch  # noqa: PLC0415 - only where a runtime is made: the rollout driver never needs it
@@ -79,9 +81,11 @@ class WorkerGroupRuntime:
         self.name = name
         self.store_config = store
         self.engine = make_engine(engine, dtype)
+        self.dtype = dtype
         self.max_prompt_tokens = max_prompt_tokens
         self.truncation = truncation
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.system_prompt = system_prompt
         self.cache_dir = Path(cache_dir or Path.home() / ".cache" / "drmas" / "policies")
         self.version: str | None = None
         self.tokenizer = None
@@ -130,22 +134,46 @@ class WorkerGroupRuntime:
         artifact, version = self._version_of(policy)
         if version == self.version:
             return False
-        local = self.cache_dir / f"{self.name}-{version}"
-        if not (local / "config.json").exists():
-            staging = local.with_name(local.name + f".tmp-{os.getpid()}")
-            shutil.rmtree(staging, ignore_errors=True)
-            artifact.download(staging, prefix=policy.prefix)
-            staging.rename(local)
+        local = self._download(artifact, policy.prefix, version)
+        base = lora_base(Store.from_config(self.store_config), policy)
         from drmas.models import load_tokenizer  # noqa: PLC0415 - transformers: in the actor only
 
         try:
             self.tokenizer = load_tokenizer(local)
-            self.engine.load(local)
+            self.engine.load(local if base is None else self._merged(local, base))
         except PolicyError as error:  # it names the local cache: say where the policy is stored
             raise PolicyError(f"{artifact.uri}: {str(error).removeprefix(f'{local}: ')}") from None
         self.stop_ids = _stop_ids(self.tokenizer)
         self.version = version
         return True
+
+    def _download(self, artifact: Artifact, prefix: str, version: str) -> Path:
+        """The policy's files in the local cache, downloaded once per version."""
+        local = self.cache_dir / f"{self.name}-{version}"
+        if not local.is_dir():  # renamed into place whole: a folder there is complete
+            staging = local.with_name(local.name + f".tmp-{os.getpid()}")
+            shutil.rmtree(staging, ignore_errors=True)
+            artifact.download(staging, prefix=prefix)
+            staging.rename(local)
+        return local
+
+    def _merged(self, adapter_dir: Path, base: PolicyRef) -> Path:
+        """A LoRA policy's merged weights as a whole policy folder in the local cache (once
+        per version), which either engine loads, and reloads after releasing its memory,
+        like any policy (``drmas.generation.lora``)."""
+        from drmas.models import load_model  # noqa: PLC0415
+
+        merged = adapter_dir.with_name(adapter_dir.name + "-merged")
+        if not merged.is_dir():
+            base_artifact, base_version = self._version_of(base)
+            model = load_model(self._download(base_artifact, base.prefix, base_version), self.dtype)
+            adapter, config = read_adapter(adapter_dir)
+            model.load_state_dict(merge_lora(model.state_dict(), adapter, config))
+            staging = merged.with_name(merged.name + f".tmp-{os.getpid()}")
+            shutil.rmtree(staging, ignore_errors=True)
+            model.save_pretrained(staging, safe_serialization=True)
+            staging.rename(merged)
+        return merged
 
     def adopt(self, weights: dict[str, torch.Tensor], policy: PolicyRef) -> None:
         """Generate from ``weights`` from now on: the policy that an update just stored at
@@ -162,8 +190,8 @@ class WorkerGroupRuntime:
         artifact = Store.from_config(self.store_config).open(policy.artifact)
         prefix = policy.prefix.rstrip("/") + "/" if policy.prefix else ""
         entries = sorted((n, e.sha256) for n, e in artifact.files.items() if n.startswith(prefix))
-        if not any(name == f"{prefix}config.json" for name, _ in entries):
-            raise FileNotFoundError(f"{artifact.uri} has no policy (config.json) under '{prefix}'")
+        if not any(name in (f"{prefix}config.json", f"{prefix}{ADAPTER_CONFIG}") for name, _ in entries):
+            raise FileNotFoundError(f"{artifact.uri} has no policy (config.json or {ADAPTER_CONFIG}) under '{prefix}'")
         return artifact, hashlib.sha256(repr(entries).encode()).hexdigest()[:16]
 
     # -- the worker group's process group (data-parallel update) -------------------------
@@ -268,12 +296,9 @@ class WorkerGroupRuntime:
         ]
 
     def _encode(self, message: str) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": message}],
-            add_generation_prompt=True,
-            tokenize=False,
-            **self.chat_template_kwargs,
-        )
+        from drmas.models import chat_prompt  # noqa: PLC0415 - transformers: in the actor only
+
+        text = chat_prompt(self.tokenizer, message, self.system_prompt, self.chat_template_kwargs)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return truncate_prompt(ids, self.max_prompt_tokens, self.truncation)
 

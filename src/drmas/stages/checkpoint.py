@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from drmas.config import DrmasConfig, PolicyError, WorkerGroup, weights_problem
+from drmas.generation.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_POLICY, lora_base
 from drmas.infra.layout import PolicyRef, StageResult, init_policy_path, optim_path, policy_path, run_path, stage_path
 from drmas.infra.store import MANIFEST, ArtifactNotFound, CorruptArtifact, Store
 
@@ -179,7 +180,8 @@ ARCHITECTURE_KEYS = (
 
 def check_policy(group: WorkerGroup, store: Store, policy: PolicyRef) -> None:
     """Refuse, from its manifest and config.json alone (before any weights are read), a
-    policy that the worker group must not load: weights that are not safetensors, or the
+    policy that the worker group must not load: weights that are not safetensors (a LoRA
+    policy: an adapter that is not, or a base that is gone, changed or refused), or the
     checkpoint of another model (an architecture other than the group's model spec, or
     than the config.json of the local folder it names). Hub models are not compared: what
     they are is known only once downloaded."""
@@ -189,6 +191,12 @@ def check_policy(group: WorkerGroup, store: Store, policy: PolicyRef) -> None:
         name[len(prefix) :] for name in artifact.files if name.startswith(prefix) and "/" not in name[len(prefix) :]
     ]
     where = store.uri(policy.artifact, policy.prefix or None)
+    if ADAPTER_CONFIG in names:  # a LoRA policy: its adapter, then the base it names
+        base = lora_base(store, policy)
+        if ADAPTER_WEIGHTS not in names or base is None:
+            raise PolicyError(f"{where}: a LoRA policy needs {ADAPTER_WEIGHTS} and {BASE_POLICY} (PEFT layout)")
+        check_policy(group, store, base)
+        return
     if problem := weights_problem(names):
         raise PolicyError(f"{where}: {problem}")
     expected = _expected_architecture(group)

@@ -18,9 +18,12 @@
    each agent's share of the loss, from a side pass that leaves the update unchanged.
 5. Write the new policy (HF layout, safetensors) and, every ``checkpoint.every``-th
    iteration and after the last, the optimizer, scheduler and RNG state (safetensors +
-   JSON, never pickle) as two artifacts, manifests last.
-6. Hand the new weights to the worker's inference engine in memory: the next rollout
-   generates from them without reading the store.
+   JSON, never pickle) as two artifacts, manifests last. A LoRA group
+   (``models.NAME.lora``) trains adapters on its frozen base and stores only them (PEFT
+   layout) with a reference to the base (``drmas.generation.lora``); its KL reference is
+   the base, the same model with the adapter switched off.
+6. Hand the new weights to the worker's inference engine in memory (a LoRA group's
+   merged into its base): the next rollout generates from them without reading the store.
 7. The worker keeps the training state (engine, optimizer, reference model), offloaded to
    host memory: the next update of the group continues from it (onloaded) without reading
    the store or building an engine. A worker without it (a new or rebuilt pool, a policy
@@ -49,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow.compute as pc
 
-from drmas.config import DrmasConfig, StoreConfig, WorkerGroup
+from drmas.config import DrmasConfig, PolicyError, StoreConfig, WorkerGroup
 from drmas.generation.pool import RayPool
 from drmas.generation.workers import PolicyRef, WorkerGroupRuntime
 from drmas.infra.layout import StageResult, optim_path, policy_path, stage_path
@@ -113,6 +116,9 @@ class HeldTraining:
     policy_manifest: str
     optim: PolicyRef | None
     rng: torch.Tensor
+    lora_base: dict[str, Any] | None = None
+    """A LoRA group's base policy (``drmas.generation.lora.BASE_POLICY``): the model is a
+    PeftModel over it, and the update stores the adapter with this record."""
 
     def continues(self, store: Store, policy: PolicyRef, optim: PolicyRef | None, reference: PolicyRef | None) -> bool:
         if (policy, optim, reference) != (self.policy, self.optim, self.reference):
@@ -155,8 +161,10 @@ def update_rank(
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
+    from drmas.generation.lora import merge_lora  # noqa: PLC0415
     from drmas.training.engines import rank_and_world  # noqa: PLC0415
     from drmas.training.loop import train_worker_group  # noqa: PLC0415
+    from drmas.training.lora import adapter_config, split_weights  # noqa: PLC0415
     from drmas.training.state import save_state  # noqa: PLC0415
 
     started = time.perf_counter()
@@ -185,9 +193,14 @@ def update_rank(
         # Every rank takes part in gathering partitioned weights and optimizer state.
         weights = engine.full_weights()
         state = engine.export_state() if config.stores_optimizer(iteration) else None
+        if held.lora_base is not None and worker is not None:  # its engine takes the merged weights
+            weights = merge_lora(*split_weights(model), adapter_config(model))
         if rank == 0:
             saved = Path(scratch) / "out"
-            model.save_pretrained(saved / "policy", safe_serialization=True, state_dict=weights)
+            if held.lora_base is not None:
+                _save_adapter(model, held.lora_base, saved / "policy")
+            else:
+                model.save_pretrained(saved / "policy", safe_serialization=True, state_dict=weights)
             tokenizer.save_pretrained(saved / "policy")
             meta = {"stage": "update", "iteration": iteration, "wg": wg, "cache_key": cache_key}
             if state is not None:
@@ -218,24 +231,85 @@ def _start_training(
     scratch: Path,
 ) -> HeldTraining:
     """A training state built from the store: the policy, a new engine, the optimizer
-    state stored at ``optim`` (None: a fresh optimizer) and the KL reference."""
+    state stored at ``optim`` (None: a fresh optimizer) and the KL reference.
+
+    A LoRA group (``models.NAME.lora``) trains adapters on a frozen base: a whole policy
+    (the run's initial or warm-started one) becomes the base of fresh adapters; a LoRA
+    policy (an earlier update's) brings its adapter and names its base. Its KL reference
+    is that base, the same model with the adapter switched off."""
     import torch  # noqa: PLC0415
 
+    from drmas.generation.lora import lora_base, read_adapter  # noqa: PLC0415
     from drmas.models import load_model, load_tokenizer  # noqa: PLC0415
     from drmas.training.engines import make_engine  # noqa: PLC0415
+    from drmas.training.lora import BaseReference, with_lora  # noqa: PLC0415
 
     local = store.open(policy.artifact).download(scratch / "policy", prefix=policy.prefix)
     dtype = group.spec.dtype if group.spec is not None else "float32"
-    model = load_model(local, dtype)
+    lora = group.spec.lora if group.spec is not None else None
+    base = lora_base(store, policy)
+    if base is not None and lora is None:
+        raise PolicyError(f"{store.uri(policy.artifact)}: a LoRA policy, but models.{group.model}.lora is not set")
+    whole = local if base is None else store.open(base.artifact).download(scratch / "base", prefix=base.prefix)
+    model = load_model(whole, dtype)
     _prepare_for_training(model, config.train.gradient_checkpointing)
+    record = None
+    if lora is not None:
+        seed = zlib.crc32(f"{config.experiment.seed}/{group.name}/lora".encode())
+        model = with_lora(model, lora, seed, saved=read_adapter(local)[0] if base is not None else None)
+        model.train()
+        record = _base_record(store, group, base or policy)
     tokenizer = load_tokenizer(local)
     engine = make_engine(model, group, config)
     if optim is not None:
         _import_stored_state(engine, store, optim, scratch / "optim")
     else:  # the first update: its RNG (saved with the state) must not depend on the process's past
         torch.manual_seed(zlib.crc32(f"{config.experiment.seed}/{group.name}".encode()))
-    ref_model = _reference(config, store, reference, scratch, dtype, engine.device)
-    return HeldTraining(engine, model, tokenizer, reference, ref_model, policy, "", optim, torch.get_rng_state())
+    if record is not None and config.algorithm.kl_coef:
+        _check_lora_reference(reference, record)
+        ref_model: torch.nn.Module | None = BaseReference(model)
+    else:
+        ref_model = _reference(config, store, reference, scratch, dtype, engine.device)
+    rng = torch.get_rng_state()
+    return HeldTraining(engine, model, tokenizer, reference, ref_model, policy, "", optim, rng, record)
+
+
+def _base_record(store: Store, group: WorkerGroup, base: PolicyRef) -> dict[str, Any]:
+    """What a LoRA policy says of its base (``BASE_POLICY``): where it is stored and its
+    manifest (the adapter is refused on other weights), and where it came from."""
+    spec = group.spec
+    return {
+        "artifact": base.artifact,
+        "prefix": base.prefix,
+        "manifest": store.fingerprint(base.artifact),
+        "uri": store.uri(base.artifact, base.prefix or None),
+        "source": spec.source if spec is not None else group.model,
+        "revision": spec.revision if spec is not None else None,
+    }
+
+
+def _check_lora_reference(reference: PolicyRef | None, base: dict[str, Any]) -> None:
+    """A LoRA group's KL reference is its base with the adapter switched off: a reference
+    other than the base cannot be had that way, and is refused naming both."""
+    if reference is None:
+        raise ValueError("algorithm.kl_coef > 0 needs a reference policy (the run's initial policy)")
+    if (reference.artifact, reference.prefix) != (base["artifact"], base["prefix"]):
+        raise ValueError(
+            f"the KL reference {reference.artifact} is not the LoRA policy's base {base['artifact']}: a LoRA "
+            "group's reference is its base with the adapter switched off"
+        )
+
+
+def _save_adapter(model, base: dict[str, Any], folder: Path) -> None:
+    """The adapter in PEFT layout (safetensors) and ``BASE_POLICY``; the adapter config's
+    ``base_model_name_or_path`` is the base's store URI (a local store's is a folder that
+    transformers and peft load)."""
+    from drmas.generation.lora import BASE_POLICY  # noqa: PLC0415
+    from drmas.training.lora import ADAPTER  # noqa: PLC0415
+
+    model.peft_config[ADAPTER].base_model_name_or_path = base["uri"]
+    model.save_pretrained(folder, safe_serialization=True)
+    (folder / BASE_POLICY).write_text(json.dumps(base, sort_keys=True, indent=1))
 
 
 def _prepare_for_training(model: PreTrainedModel, checkpointing: bool) -> None:

@@ -10,6 +10,7 @@ import math
 import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -99,18 +100,46 @@ class TrainEngine(Protocol):
         ...
 
 
+def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The parameters that train, by name: all of them, or a LoRA policy's adapters (its
+    base is frozen, so no optimizer holds state for it)."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
 def _adamw(
-    model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig
-) -> tuple[list[torch.nn.Parameter], torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """The trainable parameters, AdamW over them and its linear warm-up: both engines step
-    this same optimizer."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    params: list[torch.nn.Parameter], group: WorkerGroup, config: DrmasConfig
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over ``params`` and its linear warm-up: both engines step this same optimizer."""
     optimizer = torch.optim.AdamW(params, lr=group.lr, weight_decay=config.train.weight_decay)
     warmup = group.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
     )
-    return params, optimizer, scheduler
+    return optimizer, scheduler
+
+
+def _fp32_masters(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.nn.Parameter]:
+    """What the optimizer steps for each parameter: an fp32 one itself; for a bf16 one an
+    fp32 master copy, into whose gradient each backward's bf16 gradient is added at once
+    (a post-accumulate hook; the bf16 gradient is dropped), so that gradients accumulate
+    over micro-batches in fp32 as DeepSpeed's bf16 optimizer accumulates them."""
+    masters = {}
+    for name, param in params.items():
+        if param.dtype == torch.float32:
+            masters[name] = param
+            continue
+        master = torch.nn.Parameter(param.detach().float().clone())
+        param.register_post_accumulate_grad_hook(partial(_into_master, master=master))
+        masters[name] = master
+    return masters
+
+
+def _into_master(param: torch.Tensor, master: torch.Tensor) -> None:
+    if param.grad is None:
+        return
+    grad = param.grad.float()
+    master.grad = grad if master.grad is None else master.grad.add_(grad)
+    param.grad = None
 
 
 @contextmanager
@@ -122,18 +151,31 @@ def _rng_untouched() -> Iterator[None]:
 
 
 def _gradient_norm(params: list[torch.nn.Parameter]) -> float:
-    norms = [p.grad.detach().norm(2) for p in params if p.grad is not None]
+    norms = [p.grad.detach().float().norm(2) for p in params if p.grad is not None]
     return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 
 
 class TorchEngine:
-    """AdamW with linear warm-up; gradients summed across data-parallel ranks."""
+    """AdamW with linear warm-up; gradients summed across data-parallel ranks.
+
+    A bf16 model trains in mixed precision, as DeepSpeed's bf16 does: it computes in bf16
+    (the model that is stored and rolled out is the one that trains, so trainer and engine
+    see the same weights), while AdamW steps fp32 master weights with fp32 gradients and
+    moments and the model takes the masters, rounded, after each step. An update below half
+    a bf16 ulp of a weight (lr 1e-5 on a weight of 1: bf16 keeps 8 bits) adds up in the
+    master instead of being rounded away at every step. Chosen over fp32 weights under
+    ``torch.autocast``: that keeps 4 bytes a weight resident plus autocast's bf16 copies,
+    and computes norms and residuals in fp32, unlike the bf16 model the rollout runs.
+    The masters are saved with the optimizer state, so a resume continues from them."""
 
     def __init__(self, model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> None:
         self.device = training_device()
         self.model = model.to(self.device)
         self.forward_model: torch.nn.Module = self.model
-        self.params, self.optimizer, self.scheduler = _adamw(model, group, config)
+        trainable = _trainable(model)
+        self.params = list(trainable.values())
+        self.masters = _fp32_masters(trainable)
+        self.optimizer, self.scheduler = _adamw(list(self.masters.values()), group, config)
         self.grad_clip = config.train.grad_clip
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
@@ -141,25 +183,37 @@ class TorchEngine:
 
     def grad_norm(self) -> float:
         self._all_reduce()
-        return _gradient_norm(self.params)
+        return _gradient_norm(list(self.masters.values()))
 
     def step(self, norm: float) -> tuple[bool, float]:
         stepped = math.isfinite(norm)
         if stepped:
             scale = min(1.0, self.grad_clip / (norm + 1e-6))
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+            for master in self.masters.values():
+                if master.grad is not None:
+                    master.grad.mul_(scale)
             self.optimizer.step()
             self.scheduler.step()
+            with torch.no_grad():
+                for param, master in zip(self.params, self.masters.values(), strict=True):
+                    if master is not param:
+                        param.copy_(master)
         self.optimizer.zero_grad(set_to_none=True)
         return stepped, norm
 
     def export_state(self) -> TrainState:
-        return capture_state(self.model, self.optimizer, self.scheduler)
+        return capture_state(self.model, self.optimizer, self.scheduler, self._separate_masters())
 
     def import_state(self, state: TrainState) -> None:
-        restore_state(state, self.model, self.optimizer, self.scheduler)
+        restore_state(state, self.model, self.optimizer, self.scheduler, self._separate_masters())
+        with torch.no_grad():
+            for param, master in zip(self.params, self.masters.values(), strict=True):
+                param.copy_(master)
+
+    def _separate_masters(self) -> dict[str, torch.Tensor] | None:
+        """The fp32 masters by name when they are not the parameters themselves (bf16)."""
+        mixed = any(master is not param for param, master in zip(self.params, self.masters.values(), strict=True))
+        return dict(self.masters) if mixed else None
 
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
@@ -171,14 +225,20 @@ class TorchEngine:
         return None
 
     def offload(self) -> None:
-        _move_module_and_optimizer(self.model, self.optimizer, torch.device("cpu"))
+        self._move(torch.device("cpu"))
 
     def onload(self) -> None:
-        _move_module_and_optimizer(self.model, self.optimizer, self.device)
+        self._move(self.device)
+
+    def _move(self, device: torch.device) -> None:
+        _move_module_and_optimizer(self.model, self.optimizer, device)
+        for param, master in zip(self.params, self.masters.values(), strict=True):
+            if master is not param:
+                master.data = master.data.to(device)
 
     def _all_reduce(self) -> None:
         if rank_and_world()[1] > 1:
-            for p in self.params:
+            for p in self.masters.values():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
@@ -200,7 +260,8 @@ class DeepSpeedEngine:
         ensure_process_group()
         _, world = rank_and_world()
         self.model = model
-        self.params, optimizer, scheduler = _adamw(model, group, config)
+        self.params = list(_trainable(model).values())
+        optimizer, scheduler = _adamw(self.params, group, config)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(config, group, world)
         )
@@ -310,14 +371,12 @@ class DeepSpeedEngine:
         from deepspeed.utils import safe_get_full_optimizer_state  # noqa: PLC0415
 
         tensors: dict[str, torch.Tensor] = {"rng/torch": torch.get_rng_state()}
-        for name, param in self.model.named_parameters():
+        trainable = _trainable(self.model)
+        for name, param in trainable.items():
             for key in ("exp_avg", "exp_avg_sq"):
                 tensors[f"optim/{name}/{key}"] = safe_get_full_optimizer_state(param, key).detach().cpu().contiguous()
         step = self._base_step()
-        meta = {
-            "scheduler": scheduler_state(self.scheduler),
-            "steps": {name: step for name, _ in self.model.named_parameters()},
-        }
+        meta = {"scheduler": scheduler_state(self.scheduler), "steps": dict.fromkeys(trainable, step)}
         return TrainState(tensors, meta)
 
     def import_state(self, state: TrainState) -> None:
@@ -326,7 +385,8 @@ class DeepSpeedEngine:
             return
         from deepspeed.utils import safe_set_full_optimizer_state  # noqa: PLC0415
 
-        shapes = {name: full_shape(param) for name, param in self.model.named_parameters()}
+        trainable = _trainable(self.model)
+        shapes = {name: full_shape(param) for name, param in trainable.items()}
         if problem := state_mismatch(state, shapes):
             raise ValueError(problem)
         # AdamW creates its moments at the first step: create them as it would (zeros) on
@@ -341,7 +401,7 @@ class DeepSpeedEngine:
             }
         if self.zero_stage < 3:
             self.engine.optimizer._lazy_init_hp_params_optimizer_state()
-        for name, param in self.model.named_parameters():
+        for name, param in trainable.items():
             for key in ("exp_avg", "exp_avg_sq"):
                 safe_set_full_optimizer_state(param, state.tensors[f"optim/{name}/{key}"].clone(), key)
         step = next(iter(state.meta["steps"].values()), 0.0)

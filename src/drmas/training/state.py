@@ -31,9 +31,20 @@ class TrainState:
     meta: dict[str, Any]
 
 
-def capture_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> TrainState:
-    names = {id(p): n for n, p in model.named_parameters()}
+def capture_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    masters: dict[str, torch.Tensor] | None = None,
+) -> TrainState:
+    """The optimizer's state by parameter name. ``masters``: the fp32 master weights that
+    it steps instead of a bf16 model's parameters (mixed precision), saved too
+    (``master/{name}``): resumed from the bf16 policy alone, a run would lose what the
+    rounding hid."""
+    names = {id(p): n for n, p in (masters or dict(model.named_parameters())).items()}
     tensors: dict[str, torch.Tensor] = {"rng/torch": torch.get_rng_state()}
+    for name, master in (masters or {}).items():
+        tensors[f"master/{name}"] = master.detach().cpu().contiguous()
     steps: dict[str, float] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -59,13 +70,22 @@ def restore_scheduler(scheduler: Any, optimizer: Any, meta: dict[str, Any]) -> N
             group["lr"] = lr
 
 
-def restore_state(state: TrainState, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
-    """Load ``state`` into the optimizer; a state of another model (parameters this model
-    does not have, or shapes other than its own) is refused before anything is applied."""
-    params = dict(model.named_parameters())
+def restore_state(
+    state: TrainState,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    masters: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Load ``state`` into the optimizer (and its saved masters into ``masters``); a state
+    of another model (parameters this model does not have, or shapes other than its own)
+    is refused before anything is applied."""
+    params = masters or dict(model.named_parameters())
     if problem := state_mismatch(state, {name: param.shape for name, param in params.items()}):
         raise ValueError(problem)
     for name, param in params.items():
+        if f"master/{name}" in state.tensors:
+            param.data.copy_(state.tensors[f"master/{name}"])
         if name not in state.meta["steps"]:
             continue
         slot = optimizer.state[param]
