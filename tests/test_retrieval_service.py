@@ -47,7 +47,7 @@ from drmas.tasks.retrieval_service import (
     main,
     serve,
 )
-from drmas.tasks.search import Passage, Retriever, SearchTask, corpus_for, generate_fact_world
+from drmas.tasks.search import Passage, Retriever, SearchTask, Tokenization, corpus_for, generate_fact_world
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 3
@@ -144,6 +144,7 @@ def test_served_search_equals_in_process_search(command_service, passages):
         "corpus_hash": Retriever.corpus_hash(passages),
         "passages": len(passages),
         "format": "drmas.bm25/1",
+        "tokenization": {"stemmer": "none", "stopwords": "english"},
     }
     for k in (1, 3, 1000):  # 1000: more than the corpus holds
         expected = local.search(QUERIES, k)
@@ -436,6 +437,35 @@ def test_a_service_on_another_corpus_is_refused(service, tmp_path):
         RetrievalClient.for_config(wrong).search(["capital"], 1)
 
 
+def test_a_service_tokenised_otherwise_is_refused_and_one_alike_is_used(passages, corpus_file, tmp_path):
+    """The same corpus served stemmed: a config without stemming is refused, naming both
+    tokenisations' sides; a config with it searches the service and gets what its own
+    stemmed retriever finds (here more than the unstemmed one)."""
+    stemmed = Tokenization(stemmer="english")
+    with running(serve(passages, Store(str(tmp_path / "service-store")), "127.0.0.1", 0, stemmed)) as server:
+        plain = search_config(tmp_path, f"data.corpus={corpus_file}", f"task.retrieval_url={server.url}")
+        with pytest.raises(RetrievalMismatch) as raised:
+            RetrievalClient.for_config(plain).search(["capital"], 3)
+        assert "'stemmer': 'english'" in str(raised.value) and "task.retrieval_stemmer" in str(raised.value)
+        alike = search_config(
+            tmp_path, f"data.corpus={corpus_file}", f"task.retrieval_url={server.url}", "task.retrieval_stemmer=english"
+        )
+        queries = ["capitals", "founding", "towns"]
+        served = RetrievalClient.for_config(alike).search(queries, 3)
+        assert served == Retriever.build(passages, stemmed).search(queries, 3)
+        assert all(served) and Retriever.build(passages).search(queries, 3) == [[], [], []]
+
+
+def test_the_command_serves_stemmed_with_its_flags(tmp_path, corpus_file, passages, capsys):
+    store = tmp_path / "store"
+    flags = ["--stemmer", "english", "--stopwords", "none"]
+    assert main(["--corpus", str(corpus_file), "--store", str(store), "--build-only", *flags]) == 0
+    corpus_hash = Retriever.corpus_hash(passages, Tokenization("english", "none"))
+    assert corpus_hash != Retriever.corpus_hash(passages)
+    assert f"corpus hash {corpus_hash}" in capsys.readouterr().out
+    assert Store(str(store)).list("_cache/bm25") == [f"_cache/bm25/{corpus_hash}"]
+
+
 def test_a_service_restarted_on_another_corpus_is_refused(service, passages):
     client = RetrievalClient(service.url, expected_hash=Retriever.corpus_hash(passages))
     assert client.search(["capital"], 1)[0]
@@ -535,8 +565,10 @@ def test_cache_keys_follow_the_corpus_not_where_it_is_served(tmp_path):
     )
     other_corpus = search_config(tmp_path, "data.corpus=b.jsonl")
     more_passages = search_config(tmp_path, "task.retrieval_top_k=5")
+    stemmed = search_config(tmp_path, "data.corpus=a.jsonl", "task.retrieval_stemmer=english")
     for contract in (RolloutContract("run", 0, {}), EvaluateContract("exp/run/iter-000000", {})):
         key = cache_key(base, store, contract)
         assert cache_key(served, store, contract) == key, contract.name
         assert cache_key(other_corpus, store, contract) != key, contract.name
         assert cache_key(more_passages, store, contract) != key, contract.name
+        assert cache_key(stemmed, store, contract) != key, contract.name

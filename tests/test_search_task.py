@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import bm25s
@@ -13,12 +15,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from drmas.config import DataConfig
+from drmas.config import DataConfig, load_config
 from drmas.infra.store import CorruptArtifact, Store
-from drmas.tasks import DataError, Question
+from drmas.tasks import DataError, Question, search
 from drmas.tasks.search import (
+    INDEX_FORMAT,
     Passage,
     Retriever,
+    SearchTask,
+    Tokenization,
     cached_retriever,
     corpus_for,
     exact_match,
@@ -30,6 +35,7 @@ from drmas.tasks.search import (
 )
 
 SEED = 7
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -400,6 +406,62 @@ def test_k_is_clamped_to_the_corpus_and_must_be_positive():
         Retriever.build([])
 
 
+# --------------------------------------------------------------------------------------
+# Tokenisation: stemming and stop words
+# --------------------------------------------------------------------------------------
+
+RUNNERS = [
+    Passage("r1", "The fox runs across the cities."),
+    Passage("r2", "A cat sleeps in the old city."),
+    Passage("r3", "Running water was found in 1834."),
+]
+STEMMED = Tokenization(stemmer="english")
+
+
+def test_default_tokens_are_lower_case_words_without_stopwords():
+    """Hand-derived: lower case, every \\w+ word (one letter or digit too), bm25s's English
+    stop words ("the", "a", "was", "in") dropped, nothing stemmed."""
+    tokens = Tokenization().tokens(["The Vell river: X was born in 1834, a b 7."])
+    assert tokens == [["vell", "river", "x", "born", "1834", "b", "7"]]
+    assert Tokenization(stopwords="none").tokens(["The cat"]) == [["the", "cat"]]
+    assert STEMMED.tokens(["Running runs cities city"]) == [["run", "run", "citi", "citi"]]
+
+
+def test_stemming_finds_the_other_forms_of_a_word():
+    """ "running" finds "runs" and "city" finds "cities" only with the stemmer."""
+    plain, stemmed = Retriever.build(RUNNERS), Retriever.build(RUNNERS, STEMMED)
+    queries = ["running", "city", "sleeping cats"]
+    assert [[p.pid for p in top] for top in plain.search(queries, k=3)] == [["r3"], ["r2"], []]
+    found = [{p.pid for p in top} for top in stemmed.search(queries, k=3)]
+    assert found == [{"r1", "r3"}, {"r1", "r2"}, {"r2"}]
+
+
+def test_stop_words_are_searchable_only_when_kept():
+    assert Retriever.build(RUNNERS).search(["the"], k=3) == [[]]
+    kept = Retriever.build(RUNNERS, Tokenization(stopwords="none")).search(["the"], k=3)[0]
+    assert {p.pid for p in kept} == {"r1", "r2"}
+
+
+def test_each_thread_stems_with_its_own_stemmer():
+    """A PyStemmer object has state and must not be called from two threads at once (its
+    own docs), and the retrieval service answers on many: each thread gets its own."""
+    mine = search._stemmer()
+    with ThreadPoolExecutor(2) as threads:
+        others = list(threads.map(lambda _: search._stemmer(), range(4)))
+    assert search._stemmer() is mine and all(other is not mine for other in others)
+    assert len({id(other) for other in others}) <= 2  # one per pool thread, reused
+
+
+def test_the_config_chooses_the_tokenization_of_the_in_process_retriever(tmp_path):
+    config = load_config(
+        ROOT / "configs" / "search_tiny.yaml", ["task.retrieval_stemmer=english", "task.retrieval_stopwords=none"]
+    )
+    retriever = SearchTask().tools(config, Store(str(tmp_path / "store"))).retriever
+    assert isinstance(retriever, Retriever)
+    assert retriever.tokenization == Tokenization("english", "none")
+    assert retriever.index.vocab_dict.keys() >= {"the", "found"}  # "the" kept, "founded" stemmed
+
+
 def test_corpus_hash_is_stable_and_sees_every_change():
     digest = Retriever.corpus_hash(RIVERS)
     assert digest == Retriever.corpus_hash([Passage(p.pid, p.text) for p in RIVERS])
@@ -408,6 +470,22 @@ def test_corpus_hash_is_stable_and_sees_every_change():
     assert digest != Retriever.corpus_hash([*RIVERS[:2], Passage("p3", RIVERS[2].text + " ")])
     boundary = Retriever.corpus_hash([Passage("a", "bc")])
     assert boundary != Retriever.corpus_hash([Passage("ab", "c")])
+
+
+def test_the_corpus_hash_holds_the_tokenization_but_not_its_default():
+    """The default hashes as before the option existed (caches and pinned hashes stay
+    valid: a plain sha256 of the format and the passages); any other tokenisation hashes
+    otherwise."""
+    digest = hashlib.sha256(INDEX_FORMAT.encode())
+    for passage in RIVERS:
+        digest.update((json.dumps([passage.pid, passage.text]) + "\n").encode())
+    assert Retriever.corpus_hash(RIVERS) == digest.hexdigest()
+    others = {
+        Retriever.corpus_hash(RIVERS, Tokenization(stem, stop))
+        for stem in ("none", "english")
+        for stop in ("none", "english")
+    }
+    assert len(others) == 4 and digest.hexdigest() in others
 
 
 def test_save_and_load_through_the_store(tmp_path):
@@ -457,9 +535,9 @@ def counted_builds(monkeypatch) -> list[int]:
     calls: list[int] = []
     original = Retriever.build.__func__
 
-    def counting(cls, passages):
+    def counting(cls, passages, *tokenization):
         calls.append(len(passages))
-        return original(cls, passages)
+        return original(cls, passages, *tokenization)
 
     monkeypatch.setattr(Retriever, "build", classmethod(counting))
     return calls
@@ -477,6 +555,19 @@ def test_cache_builds_once_then_loads(tmp_path, counted_builds):
     cached_retriever(RIVERS[:2], store)  # another corpus, another cache entry
     assert counted_builds == [3, 2]
     assert len(store.list("_cache/bm25")) == 2
+
+
+def test_an_index_cached_without_stemming_is_not_reused_with_it(tmp_path, counted_builds):
+    store = Store(str(tmp_path / "store"))
+    plain = cached_retriever(RUNNERS, store)
+    stemmed = cached_retriever(RUNNERS, store, STEMMED)
+    assert counted_builds == [3, 3] and len(store.list("_cache/bm25")) == 2
+    loaded = cached_retriever(RUNNERS, store, STEMMED)
+    assert counted_builds == [3, 3], "the stemmed index was rebuilt instead of loaded"
+    assert loaded.tokenization == STEMMED
+    assert loaded.search(["running"], k=3) == stemmed.search(["running"], k=3) != plain.search(["running"], k=3)
+    meta = store.open(f"_cache/bm25/{Retriever.corpus_hash(RUNNERS, STEMMED)}").meta
+    assert (meta["stemmer"], meta["stopwords"]) == ("english", "english")
 
 
 @pytest.mark.parametrize("damage", ["modify", "delete"])

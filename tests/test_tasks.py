@@ -170,8 +170,12 @@ def test_each_task_reads_its_own_gold_answers(tmp_path):
 # --------------------------------------------------------------------------------------
 
 BAD_FILES = [
-    ("qa.csv", b"question,answer\n", "unsupported file type '.csv'; use one of .jsonl, .json, .parquet"),
-    ("qa", b"{}", "unsupported file type '(none)'; use one of .jsonl, .json, .parquet"),
+    (
+        "qa.csv",
+        b"question,answer\n",
+        "unsupported file type '.csv'; use one of .jsonl, .json, .parquet, or a dataset folder",
+    ),
+    ("qa", b"{}", "unsupported file type '(none)'; use one of .jsonl, .json, .parquet, or a dataset folder"),
     ("qa.jsonl", b"", "no rows"),
     ("qa.jsonl", b"\n  \n", "no rows"),
     ("qa.json", b"[]", "no rows"),
@@ -194,13 +198,15 @@ BAD_FILES = [
     ("qa.json", b'[{"question": "a", "answer": "1"}, 5]', "row 1: expected a JSON object, got int"),
     (
         "qa.jsonl",
-        _jsonl_bytes([{"problem": "p", "answer": "1"}]),
-        "no question column 'question' (set data.question_field); columns: answer, problem",
+        _jsonl_bytes([{"query": "p", "answer": "1"}]),
+        "no question column 'question' (set data.question_field); columns: answer, query; "
+        "nor any of its published forms: problem, Problem, prompt",
     ),
     (
         "qa.jsonl",
-        _jsonl_bytes([{"question": "q", "answer": None}]),
-        "no answer column 'answer' (set data.answer_field); columns: answer, question",
+        _jsonl_bytes([{"question": "q", "answer": None, "reward_model": {"style": "rule"}}]),
+        "no answer column 'answer' (set data.answer_field); columns: answer, question, reward_model; "
+        "nor any of its published forms: Answer, golden_answers, reward_model.ground_truth, solution",
     ),
     (
         "qa.jsonl",

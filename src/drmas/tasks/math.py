@@ -10,8 +10,9 @@ no sympify), and every check is linear in the input, so a hostile or huge answer
 nothing. So ``0.5 == \\frac{1}{2} == 1/2`` and ``85 == 85.0``, but equivalent symbolic
 forms (``2\\sqrt{2}`` vs ``\\sqrt{8}``) only match when their normalised text is equal.
 
-Data files: JSONL, JSON or Parquet (read by ``drmas.tasks.files``), with the question and
-answer columns named in ``DataConfig``; GSM8K, MATH/MATH-500 and DAPO rows load as published.
+Data files: JSONL, JSON or Parquet, or dataset folders (read by ``drmas.tasks.files``), with
+the question and answer columns named in ``DataConfig``; GSM8K, MATH/MATH-500, DAPO and AIME
+rows load as published.
 """
 
 from __future__ import annotations
@@ -307,7 +308,8 @@ def _gold_answer(value: Any) -> str:
     """One gold answer as the reward compares it; "" when there is none.
 
     GSM8K keeps what follows ``####`` (without thousands commas); a MATH solution keeps its
-    last boxed answer; numbers become their decimal text.
+    last boxed (or ``\\fbox``-ed) answer, and a box that does not close is no answer; an
+    integer (AIME's ``Answer``) or other number becomes its decimal text.
     """
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         return ""
@@ -315,6 +317,8 @@ def _gold_answer(value: Any) -> str:
     if _GSM8K_MARK in text:
         return text.rpartition(_GSM8K_MARK)[2].replace(",", "").strip()
     boxed = extract_boxed(text)
+    if boxed is None and ("\\boxed" in text or "\\fbox" in text):
+        return ""  # a box that does not close: a gold answer that could never match
     return (text if boxed is None else boxed).strip()
 
 
@@ -338,15 +342,19 @@ def load_math_questions(
 
     ``spec`` is ``generated:arithmetic`` (its ``split`` part, sized by
     ``data.generated_{train,eval}_size``, drawn with ``seed``) or a ``.jsonl``, ``.json``
-    or ``.parquet`` file, local or ``s3://bucket/key`` (read with ``store``'s S3 endpoint
-    and region: ``drmas.tasks.files.open_data``). Fields may be dotted paths into nested columns
-    (``reward_model.ground_truth``); ``data_source`` defaults to the file's stem, the qid is
-    the ``id`` column or else the row index. Any bad input raises DataError naming the file
-    and the row or column.
+    or ``.parquet`` file or a dataset folder (its ``data.{split}_split``), local or
+    ``s3://bucket/key`` (read with ``store``'s S3 endpoint and region:
+    ``drmas.tasks.files.read_rows``). GSM8K, MATH, MATH-500, DAPO and AIME load as
+    published, their columns recognised while ``data.question_field``/``answer_field`` are
+    left at their defaults. Fields may be dotted paths into nested columns
+    (``reward_model.ground_truth``); ``data_source`` defaults to the file's stem or the
+    folder's name (MATH's subjects: ``data.data_source_field: type``), the qid is the ``id``
+    column or else the row index. Any bad input raises DataError naming the file and the
+    row or column.
     """
     name = spec.removeprefix("generated:")
     if name == spec:
-        return read_questions(spec, data, _gold_answers, store=store)
+        return read_questions(spec, data, _gold_answers, store=store, split=split)
     if name not in GENERATED_SETS:
         known = ", ".join(GENERATED_SETS)
         raise DataError(f"{spec}: unknown generated set {name!r}; known: {known}")

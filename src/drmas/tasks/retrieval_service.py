@@ -8,11 +8,14 @@ wiki scale that index belongs in one service that every rollout and evaluation s
 
 1. The server loads the corpus and its index exactly as the in-process path does
    (``load_corpus``, then ``cached_retriever``: built once, cached in the store under
-   ``_cache/bm25/{corpus_hash}``, loaded without unpickling), so a served search returns
-   what ``Retriever.search`` returns. It binds 127.0.0.1 unless told otherwise (``--host``).
+   ``_cache/bm25/{corpus_hash}``, loaded without unpickling), tokenised as ``--stemmer``
+   and ``--stopwords`` say (``task.retrieval_stemmer``/``retrieval_stopwords``; the corpus
+   hash holds them), so a served search returns what ``Retriever.search`` returns. It
+   binds 127.0.0.1 unless told otherwise (``--host``).
 2. Its API is JSON:
 
-       GET  /health -> {"status": "ok", "corpus_hash": H, "passages": N, "format": F}
+       GET  /health -> {"status": "ok", "corpus_hash": H, "passages": N, "format": F,
+                        "tokenization": {"stemmer": S, "stopwords": W}}
        POST /search {"queries": ["...", ...], "k": 3}
                     -> {"corpus_hash": H, "results": [[{"id": ..., "text": ...}, ...], ...]}
 
@@ -56,6 +59,7 @@ from drmas.tasks.search import (
     INDEX_FORMAT,
     Passage,
     Retriever,
+    Tokenization,
     cached_retriever,
     corpus_for,
     corpus_hash_for,
@@ -202,7 +206,7 @@ class RetrievalServer(ThreadingHTTPServer):
 
     def __init__(self, retriever: Retriever, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> None:
         self.retriever = retriever
-        self.corpus_hash = Retriever.corpus_hash(retriever.passages)
+        self.corpus_hash = Retriever.corpus_hash(retriever.passages, retriever.tokenization)
         if ":" in host:
             self.address_family = socket.AF_INET6
         super().__init__((host, port), _Handler)
@@ -219,6 +223,7 @@ class RetrievalServer(ThreadingHTTPServer):
             "corpus_hash": self.corpus_hash,
             "passages": len(self.retriever.passages),
             "format": INDEX_FORMAT,
+            "tokenization": self.retriever.tokenization.describe(),
         }
 
 
@@ -240,10 +245,17 @@ def load_passages(
     return corpus_for(DataConfig.model_validate({name: size for name, size in sizes.items() if size is not None}), seed)
 
 
-def serve(passages: list[Passage], store: Store, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> RetrievalServer:
+def serve(
+    passages: list[Passage],
+    store: Store,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    tokenization: Tokenization | None = None,
+) -> RetrievalServer:
     """A server (not yet serving: call ``serve_forever``) for ``passages``, its index
-    loaded from, or built into, ``store``'s cache as the in-process retriever's is."""
-    return RetrievalServer(cached_retriever(passages, store), host, port)
+    loaded from, or built into, ``store``'s cache as the in-process retriever's is
+    (``tokenization``: as ``Retriever``'s, bm25s's English stop words and no stemmer)."""
+    return RetrievalServer(cached_retriever(passages, store, tokenization or Tokenization()), host, port)
 
 
 # --------------------------------------------------------------------------------------
@@ -314,12 +326,13 @@ class RetrievalClient:
     @classmethod
     def for_config(cls, config: DrmasConfig) -> RetrievalClient:
         """The client of ``task.retrieval_url`` with the config's timeout and retries,
-        checking the corpus the config names (``task.retrieval_corpus_hash`` if pinned)."""
+        checking the corpus the config names, tokenised as it says
+        (``task.retrieval_corpus_hash`` if pinned)."""
         task, data, seed = config.task, config.data, config.experiment.seed
         if task.retrieval_url is None:
             raise ValueError("task.retrieval_url is not set: the search task retrieves in process")
         expected: str | Callable[[], str] = task.retrieval_corpus_hash or (
-            lambda: corpus_hash_for(data, seed, config.store)
+            lambda: corpus_hash_for(data, seed, config.store, Tokenization.of(task))
         )
         return cls(
             task.retrieval_url,
@@ -350,9 +363,11 @@ class RetrievalClient:
                 if expected is not None and served != expected:
                     raise RetrievalMismatch(
                         f"retrieval service {self.url} serves another corpus than this config names: "
-                        f"it serves corpus hash {served} ({health.get('passages')} passages), the config's "
-                        f"corpus (data.corpus, or the generated world) hashes to {expected}. Start the service "
-                        "on the config's corpus, or point task.retrieval_url at one that serves it."
+                        f"it serves corpus hash {served} ({health.get('passages')} passages, tokenization "
+                        f"{health.get('tokenization', 'unreported')}), the config's corpus (data.corpus, or the "
+                        f"generated world, tokenised as task.retrieval_stemmer/retrieval_stopwords say) hashes "
+                        f"to {expected}. Start the service on the config's corpus with its --stemmer and "
+                        "--stopwords, or point task.retrieval_url at one that serves it."
                     )
                 self._served = served
             return self._served
@@ -465,6 +480,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free)")
     parser.add_argument(
+        "--stemmer",
+        choices=["none", "english"],
+        default="none",
+        help="stem BM25 terms (task.retrieval_stemmer; default none): the runs' configs must say the same",
+    )
+    parser.add_argument(
+        "--stopwords",
+        choices=["none", "english"],
+        default="english",
+        help="drop these stop words (task.retrieval_stopwords; default english): as the runs' configs say",
+    )
+    parser.add_argument(
         "--build-only",
         action="store_true",
         help="build (or check) the index cache in the store, print the corpus hash, and exit without serving",
@@ -488,12 +515,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # No reference to the loaded passages is kept: the server holds its retriever's
         # (at wiki scale, a second copy would double the service's memory).
         passages = load_passages(args.corpus, args.seed, args.generated_train_size, args.generated_eval_size, store)
+        tokenization = Tokenization(args.stemmer, args.stopwords)
         if args.build_only:
-            retriever = cached_retriever(passages, store)
+            retriever = cached_retriever(passages, store, tokenization)
             print(f"drmas serve-retrieval: {len(retriever.passages)} passages of {args.corpus} indexed in {store.root}")
-            print(f"corpus hash {Retriever.corpus_hash(retriever.passages)}", flush=True)
+            print(f"corpus hash {Retriever.corpus_hash(retriever.passages, tokenization)}", flush=True)
             return 0
-        server = serve(passages, store, args.host, args.port)
+        server = serve(passages, store, args.host, args.port, tokenization)
         del passages
     except (ValueError, OSError, StoreError) as error:
         print(f"drmas serve-retrieval: {error}", file=sys.stderr)

@@ -8,9 +8,11 @@ pretrained knowledge helps: the only way to answer is to search its corpus. Ever
 one short passage, and questions are single-hop (one fact answers them) or two-hop (the
 first fact names a bridge entity that the second fact needs).
 
-Retrieval is BM25 (``bm25s``) over lower-cased word tokens, with bm25s's English stopword
-list removed and no stemming. An index is built once per corpus and cached in the artifact
-store under ``_cache/bm25/{corpus_hash}``; loading it never unpickles anything. At wiki
+Retrieval is BM25 (``bm25s``) over lower-cased word tokens, split by bm25s's tokenizer, with
+its English stop words removed and no stemming unless ``task.retrieval_stemmer: english``
+(Snowball, through PyStemmer) or ``task.retrieval_stopwords: none`` say otherwise
+(``Tokenization``). An index is built once per corpus and tokenisation and cached in the
+artifact store under ``_cache/bm25/{corpus_hash}``; loading it never unpickles anything. At wiki
 scale the index lives in a retrieval service instead (``drmas.tasks.retrieval_service``,
 named by ``task.retrieval_url``): the same BM25, the same results, one index shared by
 every rollout and evaluation.
@@ -31,12 +33,14 @@ import random
 import re
 import string
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import bm25s
 import numpy as np
+import Stemmer
 from bm25s.stopwords import STOPWORDS_EN
 
 from drmas.config import TaskConfig
@@ -56,6 +60,7 @@ __all__ = [
     "SearchOrchestra",
     "SearchTask",
     "Searcher",
+    "Tokenization",
     "cached_retriever",
     "corpus_for",
     "corpus_hash_for",
@@ -87,7 +92,8 @@ INDEX_FORMAT = "drmas.bm25/1"
 CACHE_PREFIX = "_cache/bm25"
 PASSAGES_FILE = "passages.jsonl"
 INDEX_DIR = "index"
-_TOKEN = re.compile(r"\w+")
+TOKEN_PATTERN = r"\w+"
+"""Every word, a one-letter or one-digit word too (bm25s's default pattern drops those)."""
 _STOPWORDS = frozenset(STOPWORDS_EN)
 
 
@@ -97,6 +103,57 @@ class Passage:
 
     pid: str
     text: str
+
+
+@dataclass(frozen=True)
+class Tokenization:
+    """How passages and queries become BM25 terms: lower case, ``TOKEN_PATTERN`` words,
+    stop words dropped, optionally stemmed, by bm25s's own tokenizer.
+
+    An index answers only queries tokenised as its passages were (a stemmed index knows
+    "run", not "running"), so the tokenisation is part of the corpus hash: a cached index
+    is reused, and a retrieval service accepted, only for the same one.
+    """
+
+    stemmer: Literal["none", "english"] = "none"
+    stopwords: Literal["none", "english"] = "english"
+
+    @classmethod
+    def of(cls, task: TaskConfig) -> Tokenization:
+        """The config's (``task.retrieval_stemmer``, ``task.retrieval_stopwords``)."""
+        return cls(task.retrieval_stemmer, task.retrieval_stopwords)
+
+    def tokens(self, texts: list[str]) -> list[list[str]]:
+        """Each text's terms (bm25s stems each distinct word once per call)."""
+        tokens = bm25s.tokenize(
+            texts,
+            lower=True,
+            token_pattern=TOKEN_PATTERN,
+            stopwords="english" if self.stopwords == "english" else None,
+            stemmer=_stemmer() if self.stemmer == "english" else None,
+            return_ids=False,
+            show_progress=False,
+        )
+        return cast(list[list[str]], tokens)  # return_ids=False: each text's terms as strings
+
+    def hashed(self) -> bytes:
+        """What the corpus hash holds of it: nothing for the default, so that indexes
+        cached and hashes pinned before stemming was an option stay valid."""
+        return b"" if self == Tokenization() else json.dumps([self.stemmer, self.stopwords]).encode()
+
+    def describe(self) -> dict[str, str]:
+        return {"stemmer": self.stemmer, "stopwords": self.stopwords}
+
+
+_THREAD_STEMMERS = threading.local()
+
+
+def _stemmer() -> Stemmer.Stemmer:
+    """This thread's English stemmer: a PyStemmer object has state and must not be called
+    from two threads at once (the retrieval service answers on many)."""
+    if not hasattr(_THREAD_STEMMERS, "english"):
+        _THREAD_STEMMERS.english = Stemmer.Stemmer("english")
+    return _THREAD_STEMMERS.english
 
 
 # --------------------------------------------------------------------------------------
@@ -321,17 +378,23 @@ def corpus_for(data: DataConfig, seed: int, store: StoreConfig | Store | None = 
     return generated_facts(data, seed)[0]
 
 
-def corpus_hash_for(data: DataConfig, seed: int, store: StoreConfig | Store | None = None) -> str:
-    """``Retriever.corpus_hash`` of ``corpus_for(data, seed, store)``; a corpus file is
-    streamed, never held whole (a wiki-scale corpus does not fit a rollout driver's memory).
-    The hash is of the passages only: the same file hashes the same, local or on S3."""
+def corpus_hash_for(
+    data: DataConfig,
+    seed: int,
+    store: StoreConfig | Store | None = None,
+    tokenization: Tokenization = Tokenization(),
+) -> str:
+    """``Retriever.corpus_hash`` of ``corpus_for(data, seed, store)`` tokenised as
+    ``tokenization``; a corpus file is streamed, never held whole (a wiki-scale corpus does
+    not fit a rollout driver's memory). The hash is of the passages, not of where they are:
+    the same file hashes the same, local or on S3."""
     if data.corpus:
         passages = iter_corpus(data.corpus, store)
         first = next(passages, None)
         if first is None:
             raise DataError(f"{data.corpus}: no passages (the file is empty)")
-        return Retriever.corpus_hash(itertools.chain([first], passages))
-    return Retriever.corpus_hash(generated_facts(data, seed)[0])
+        return Retriever.corpus_hash(itertools.chain([first], passages), tokenization)
+    return Retriever.corpus_hash(generated_facts(data, seed)[0], tokenization)
 
 
 # --------------------------------------------------------------------------------------
@@ -408,12 +471,14 @@ def load_qa(
     seed: int,
     store: StoreConfig | Store | None = None,
 ) -> list[Question]:
-    """The questions of one split: ``generated:facts`` or a JSONL, JSON or Parquet file
-    (local, or ``s3://bucket/key`` read with ``store``'s S3 endpoint and region).
+    """The questions of one split: ``generated:facts``, or a JSONL, JSON or Parquet file or
+    a dataset folder (local, or ``s3://bucket/key`` read with ``store``'s S3 endpoint and
+    region).
 
-    A file is the split itself (``split`` only picks the half of a generated set), read by
-    ``drmas.tasks.files.read_questions``; its answer column holds one answer or a list of
-    them (Search-R1's ``golden_answers``), and empty ones are dropped.
+    A file is the split itself (``split`` picks the half of a generated set, or the
+    ``data.{split}_split`` of a folder), read by ``drmas.tasks.files.read_questions``; its
+    answer column holds one answer or a list of them (Search-R1's ``golden_answers``), and
+    empty ones are dropped.
     """
     if spec.startswith(GENERATED_PREFIX):
         name = spec[len(GENERATED_PREFIX) :]
@@ -423,7 +488,7 @@ def load_qa(
             )
         _, train, evaluation = generated_facts(data, seed)
         return train if split == "train" else evaluation
-    return read_questions(spec, data, _answers, store=store)
+    return read_questions(spec, data, _answers, store=store, split=split)
 
 
 # --------------------------------------------------------------------------------------
@@ -459,11 +524,6 @@ def exact_match(prediction: str | None, answers: Sequence[str]) -> float:
 # --------------------------------------------------------------------------------------
 
 
-def _tokens(text: str) -> list[str]:
-    """Lower-cased word tokens without English stopwords; no stemmer (none is installed)."""
-    return [token for token in _TOKEN.findall(text.lower()) if token not in _STOPWORDS]
-
-
 class Searcher(Protocol):
     """What the search orchestra and the warm start retrieve through: the in-process
     ``Retriever``, or ``drmas.tasks.retrieval_service.RetrievalClient`` for a served one."""
@@ -480,18 +540,19 @@ class Retriever:
     and an unrelated passage would only teach the agent that search results are noise.
     """
 
-    def __init__(self, index: bm25s.BM25, passages: list[Passage]) -> None:
+    def __init__(self, index: bm25s.BM25, passages: list[Passage], tokenization: Tokenization = Tokenization()) -> None:
         self.index = index
         self.passages = passages
+        self.tokenization = tokenization
 
     @classmethod
-    def build(cls, passages: list[Passage]) -> Retriever:
+    def build(cls, passages: list[Passage], tokenization: Tokenization = Tokenization()) -> Retriever:
         """Index the passages (numpy backend: no JIT warm-up, same results everywhere)."""
         if not passages:
             raise ValueError("cannot build a retriever over an empty corpus")
         index = bm25s.BM25(backend="numpy")
-        index.index([_tokens(passage.text) for passage in passages], show_progress=False)
-        return cls(index, passages)
+        index.index(tokenization.tokens([passage.text for passage in passages]), show_progress=False)
+        return cls(index, passages, tokenization)
 
     def search(self, queries: list[str], k: int) -> list[list[Passage]]:
         """The best ``k`` passages for each query, best first, in one batched call.
@@ -502,7 +563,7 @@ class Retriever:
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
         vocabulary = self.index.vocab_dict
-        tokens = [[token for token in _tokens(query) if token in vocabulary] for query in queries]
+        tokens = [[token for token in terms if token in vocabulary] for terms in self.tokenization.tokens(queries)]
         asked = [position for position, query_tokens in enumerate(tokens) if query_tokens]
         results: list[list[Passage]] = [[] for _ in queries]
         if not asked:
@@ -520,10 +581,11 @@ class Retriever:
         return results
 
     @staticmethod
-    def corpus_hash(passages: Iterable[Passage]) -> str:
-        """sha256 of the index format and every (id, text), in order: the cache key (and
-        what a retrieval service reports, so that a client can tell it serves its corpus)."""
-        digest = hashlib.sha256(INDEX_FORMAT.encode())
+    def corpus_hash(passages: Iterable[Passage], tokenization: Tokenization = Tokenization()) -> str:
+        """sha256 of the index format, the tokenisation and every (id, text), in order: the
+        cache key (and what a retrieval service reports, so that a client can tell it
+        serves its corpus, tokenised as the client's config says)."""
+        digest = hashlib.sha256(INDEX_FORMAT.encode() + tokenization.hashed())
         for passage in passages:
             line = json.dumps([passage.pid, passage.text], ensure_ascii=False) + "\n"
             digest.update(line.encode())
@@ -538,8 +600,9 @@ class Retriever:
             writer.put_dir(folder, INDEX_DIR)
 
     @classmethod
-    def load_from(cls, artifact: Artifact) -> Retriever:
-        """A retriever saved by ``save_to``; CorruptArtifact if its files do not make one.
+    def load_from(cls, artifact: Artifact, tokenization: Tokenization = Tokenization()) -> Retriever:
+        """A retriever saved by ``save_to`` from passages tokenised as ``tokenization``
+        (the cache path's hash says so); CorruptArtifact if its files do not make one.
 
         Arrays are loaded with ``allow_pickle=False``: a store is input, and unpickling
         input runs arbitrary code.
@@ -556,7 +619,7 @@ class Retriever:
                 f"{artifact.uri}: the index has {index.scores['num_docs']} documents "
                 f"but {PASSAGES_FILE} has {len(passages)}"
             )
-        return cls(index, passages)
+        return cls(index, passages, tokenization)
 
 
 def _read_passages(artifact: Artifact) -> list[Passage]:
@@ -568,26 +631,27 @@ def _read_passages(artifact: Artifact) -> list[Passage]:
         raise CorruptArtifact(f"{location}: unreadable ({error})") from None
 
 
-def cached_retriever(passages: list[Passage], store: Store) -> Retriever:
-    """The retriever for this corpus, built once and then loaded from the store.
+def cached_retriever(passages: list[Passage], store: Store, tokenization: Tokenization = Tokenization()) -> Retriever:
+    """The retriever for this corpus and tokenisation, built once and then loaded from the
+    store (under their corpus hash: an index tokenised otherwise is another entry).
 
     A cache that cannot be read (a file modified, truncated or missing) is derived data:
     it is rebuilt and replaced, with a warning, rather than failing the run. When another
     process finishes the same cache first, its copy is loaded.
     """
-    path = f"{CACHE_PREFIX}/{Retriever.corpus_hash(passages)}"
+    path = f"{CACHE_PREFIX}/{Retriever.corpus_hash(passages, tokenization)}"
     if store.exists(path):
         try:
-            return Retriever.load_from(store.open(path))
+            return Retriever.load_from(store.open(path), tokenization)
         except CorruptArtifact as error:
             logger.warning("rebuilding the BM25 cache: %s", error)
-    retriever = Retriever.build(passages)
+    retriever = Retriever.build(passages, tokenization)
     try:
-        meta = {"format": INDEX_FORMAT, "passages": len(passages)}
+        meta = {"format": INDEX_FORMAT, "passages": len(passages), **tokenization.describe()}
         with store.writer(path, overwrite=store.exists(path), meta=meta) as writer:
             retriever.save_to(writer)
     except ArtifactExists:
-        return Retriever.load_from(store.open(path))
+        return Retriever.load_from(store.open(path), tokenization)
     return retriever
 
 
@@ -620,7 +684,7 @@ def search_demonstrations(
     task, warm = config.task, config.warmstart
     plans = demonstration_queries(config.data, config.experiment.seed)
     router, searcher, answerer = (
-        cls(history_length=task.history_length) for cls in (RouterAgent, SearchAgent, AnswerAgent)
+        cls(history_length=task.history_length, prompts=task.prompts) for cls in (RouterAgent, SearchAgent, AnswerAgent)
     )
     demos: Demonstrations = {"verifier": [], "search": [], "answer": []}
     for question in questions:
@@ -698,7 +762,7 @@ class SearchTask:
 
             return Tools(retriever=RetrievalClient.for_config(config))
         passages = corpus_for(config.data, config.experiment.seed, config.store)
-        return Tools(retriever=cached_retriever(passages, store))
+        return Tools(retriever=cached_retriever(passages, store, Tokenization.of(config.task)))
 
     def corpus(self, config: DrmasConfig) -> list[str]:
         return [passage.text for passage in corpus_for(config.data, config.experiment.seed, config.store)]
@@ -730,7 +794,9 @@ class SearchOrchestra:
         self.top_k = task.retrieval_top_k
         self.malformed_passes = task.malformed_verdict_passes
         self.retriever = tools.retriever
-        self.agent_objects = {name: cls(history_length=task.history_length) for name, cls in self.agents.items()}
+        self.agent_objects = {
+            name: cls(history_length=task.history_length, prompts=task.prompts) for name, cls in self.agents.items()
+        }
 
     def run(self, episodes: list[Episode], team: Team) -> None:
         for step in range(1, self.max_turns + 1):
