@@ -5,11 +5,15 @@
 Reports avg@k (mean success over the k episodes of a question, averaged over questions)
 and pass@k (any success among the k), overall and per data source, with per-agent call
 counts and validity rates; writes one row per episode to ``eval.parquet``. Metric names
-use ``_at_`` (``eval/avg_at_4``) because MLflow does not accept '@' in a metric name.
+use ``_at_`` (``eval/avg_at_4``) because MLflow does not accept '@' in a metric name; a
+data source comes from the data (``Counting & Probability``, ``openai/gsm8k``), so it is
+written with MLflow's characters only (``source_label``): one bad name would lose the
+whole step's metrics.
 """
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -23,18 +27,33 @@ from drmas.stages.checkpoint import check_policy
 from drmas.stages.rollout import GeneratePool, agent_call_metrics, build_team, play, task_questions, task_tools
 from drmas.team.episodes import Episode
 
-__all__ = ["evaluate", "success_at_k"]
+__all__ = ["evaluate", "source_label", "success_at_k"]
+
+_NOT_IN_METRIC_NAMES = re.compile(r"[^\w.\- ]")
+"""What MLflow refuses in a metric name (it takes letters, digits, ``_ . - space /`` and,
+except on Windows, ``:``), and ``/``: a source is one level of the name."""
+
+
+def source_label(source: str) -> str:
+    """A data source as one level of a metric name: every other character as ``_``
+    (``Counting & Probability`` -> ``Counting _ Probability``); dots alone (a path step
+    to MLflow) too. Two sources with one label are reported together."""
+    label = _NOT_IN_METRIC_NAMES.sub("_", source.strip()) or "_"
+    return label if label.strip(".") else label.replace(".", "_")
 
 
 def success_at_k(episodes: list[Episode], k: int) -> dict[str, float]:
-    """avg@k and pass@k over questions (``uid``), overall and per data source."""
+    """avg@k and pass@k over questions (``uid``), overall and per data source
+    (``eval/{source_label}/avg_at_{k}``)."""
     by_question: dict[str, list[Episode]] = {}
     for episode in episodes:
         by_question.setdefault(episode.uid, []).append(episode)
     metrics: dict[str, float] = {}
-    sources = sorted({group[0].question.data_source for group in by_question.values()})
+    sources = sorted({source_label(group[0].question.data_source) for group in by_question.values()})
     for source in [None, *sources]:
-        groups = [g for g in by_question.values() if source is None or g[0].question.data_source == source]
+        groups = [
+            g for g in by_question.values() if source is None or source_label(g[0].question.data_source) == source
+        ]
         prefix = "eval" if source is None else f"eval/{source}"
         metrics[f"{prefix}/avg_at_{k}"] = float(np.mean([np.mean([e.success for e in g]) for g in groups]))
         metrics[f"{prefix}/pass_at_{k}"] = float(np.mean([any(e.success for e in g) for g in groups]))

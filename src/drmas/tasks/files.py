@@ -92,8 +92,9 @@ DATASET_STATE = "state.json"
 """What ``datasets``' ``save_to_disk`` writes beside a Dataset's Arrow files: their list."""
 DATASET_DICT = "dataset_dict.json"
 """What it writes for a DatasetDict: ``{"splits": [...]}``, one subfolder per split."""
-_HUB_SHARD = re.compile(r"^(.+?)-(\d{5})-of-(\d{5})$")
-"""A shard's stem as the hub and ``datasets`` name it: ``train-00000-of-00002``."""
+_HUB_SHARD = re.compile(r"^(.+?)-(\d{5})-of-(\d{5})(?:-[0-9a-f]{16})?$")
+"""A shard's stem as the hub and ``datasets`` name it: ``train-00000-of-00002``, with the
+content hash that older hub conversions append (``-7320a6f3aba8ebd2``)."""
 QUESTION_FORMS = ("problem", "Problem", "prompt")
 """Where published sets keep the question when there is no ``question`` column: MATH and
 MATH-500, AIME 2024, and DAPO/veRL's chat ``prompt`` (recognised only as a chat: a plain
@@ -458,7 +459,8 @@ def _choose_split(folder: DataFolder, split: FolderSplit, splits: dict[str, list
         return only
     if split.name in splits:
         return split.name
-    listed = "; ".join(f"{name} ({_listing(files)})" if files else name for name, files in sorted(splits.items()))
+    listed = "; ".join(f"{name} ({_listing(files)})" for name, files in sorted(splits.items()) if files)
+    listed = listed or ", ".join(sorted(splits))
     raise DataError(f"{folder.name}: no split {split.name!r} ({split.setting}); its splits: {listed}")
 
 
