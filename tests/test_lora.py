@@ -173,3 +173,45 @@ def test_checkpointing_gives_lora_the_same_update(tmp_path):
         )
     assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])
     assert json.dumps(sorted(adapters[0])) == json.dumps(sorted(adapters[1]))
+
+
+DEEPSPEED_LORA = """
+import sys, tempfile
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from test_lora import lora_update
+from safetensors.torch import load_file
+adapters = {}
+for label, overrides in {
+    "torch": [],
+    "zero0": ["train.backend=deepspeed", "train.zero_stage=0"],
+    "zero2": ["train.backend=deepspeed", "train.zero_stage=2"],
+    "zero2+checkpointing": ["train.backend=deepspeed", "train.zero_stage=2", "train.gradient_checkpointing=true"],
+}.items():
+    tmp = Path(tempfile.mkdtemp(dir=sys.argv[2]))
+    _, store, _, _, result = lora_update(tmp, "train.micro_batch_size=2", "algorithm.kl_coef=0.1", *overrides)
+    adapters[label] = load_file(str(store.open(result.artifact).download(tmp / "a") / "adapter_model.safetensors"))
+gaps = {k: max(float((v[n] - adapters["torch"][n]).abs().max()) for n in v) for k, v in adapters.items()}
+print("GAPS", gaps)
+print("GAP", max(gaps.values()))
+"""
+
+
+@pytest.mark.slow
+def test_deepspeed_trains_lora_as_torch_does(tmp_path):
+    """DeepSpeed ZeRO-0 and ZeRO-2 (gloo, CPU), also with activation checkpointing, train
+    the same adapter as the torch engine, with the KL term to the adapter-less base."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions")}
+    done = subprocess.run(
+        [sys.executable, "-c", DEEPSPEED_LORA, str(Path(__file__).parent), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split("GAP ")[-1]) < 1e-5, done.stdout

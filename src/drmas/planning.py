@@ -389,7 +389,9 @@ def _group_plan(config: DrmasConfig, group: WorkerGroup, device_memory: int | No
         share = round(MEM_FRACTION_STATIC * device_memory)
         kv = max(share - weights, 0)
         kv_tokens = kv // architecture.kv_bytes_per_token(dtype_bytes)
-    train_params, grads, optimizer = _training_state(config, params, dtype_bytes)
+    lora = group.spec.lora if group.spec is not None else None
+    adapters = _lora_params(architecture, lora.rank, lora.target_modules) if lora is not None else 0
+    train_params, grads, optimizer = _training_state(config, params, dtype_bytes, adapters)
     checkpointed = architecture.activation_bytes(tokens, dtype_bytes, checkpointing=True)
     full = architecture.activation_bytes(tokens, dtype_bytes, checkpointing=False)
     reference = config.algorithm.kl_coef > 0
@@ -410,7 +412,7 @@ def _group_plan(config: DrmasConfig, group: WorkerGroup, device_memory: int | No
         train_grads=grads,
         optimizer=0 if _offloads(config) else optimizer,
         optimizer_host=optimizer if _offloads(config) else 0,
-        reference_model=weights if reference else 0,
+        reference_model=weights if reference and lora is None else 0,  # LoRA: the base, adapter off
         activations=checkpointed if config.train.gradient_checkpointing else full,
         activations_checkpointed=checkpointed,
         activations_full=full,
@@ -438,16 +440,35 @@ def _micro_batch_tokens(rows: int, sequence: int, max_tokens: int | None) -> int
     return tokens if max_tokens is None else min(tokens, max(max_tokens, sequence))
 
 
-def _training_state(config: DrmasConfig, params: int, dtype_bytes: int) -> tuple[int, int, int]:
+def _lora_params(architecture: Architecture, rank: int, targets: list[str]) -> int:
+    """The adapters' parameters: rank x (in + out) per targeted projection and layer."""
+    a = architecture
+    h, q, kv, mlp = (
+        a.hidden_size,
+        a.num_attention_heads * a.head_dim,
+        a.num_key_value_heads * a.head_dim,
+        a.intermediate_size,
+    )
+    sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h}
+    sizes |= {"gate_proj": h + mlp, "up_proj": h + mlp, "down_proj": mlp + h}
+    return a.num_hidden_layers * rank * sum(sizes.get(target, 0) for target in targets)
+
+
+def _training_state(config: DrmasConfig, params: int, dtype_bytes: int, adapters: int = 0) -> tuple[int, int, int]:
     """Per slot: (weights, gradients, optimizer state), standard ZeRO accounting (Rajbhandari
-    et al. 2020, "ZeRO", §5): under DeepSpeed's bf16 mixed precision 2Ψ weights, 2Ψ
-    gradients and 12Ψ fp32 master weights + Adam moments; otherwise (torch backend, or
-    float32) weights and gradients at the model's dtype and Adam's two moments beside
-    them. ZeRO-1 partitions the optimizer state over the data-parallel slots, ZeRO-2 the
-    gradients too, ZeRO-3 the weights too."""
-    mixed = config.train.backend == "deepspeed" and dtype_bytes == 2
-    weights, grads = params * dtype_bytes, params * dtype_bytes
-    optimizer = params * (12 if mixed else 2 * dtype_bytes)
+    et al. 2020, "ZeRO", §5): under bf16 mixed precision 2Ψ weights, 2Ψ gradients (4Ψ on
+    the torch engine, which accumulates them in fp32) and 12Ψ fp32 master weights + Adam
+    moments; in float32 weights, gradients and Adam's two moments at 4 bytes. A LoRA group
+    trains only its adapters' parameters (fp32) beside its frozen base. ZeRO-1 partitions
+    the optimizer state over the data-parallel slots, ZeRO-2 the gradients too, ZeRO-3 the
+    weights too."""
+    if adapters:  # LoRA: the frozen base at its dtype; fp32 adapters, their gradients and moments
+        weights, grads, optimizer = params * dtype_bytes + adapters * 4, adapters * 4, adapters * 8
+    else:
+        mixed = dtype_bytes == 2  # both engines keep fp32 masters; torch accumulates fp32 gradients
+        weights = params * dtype_bytes
+        grads = params * (4 if mixed and config.train.backend == "torch" else dtype_bytes)
+        optimizer = params * (12 if mixed else 2 * dtype_bytes)
     stage, slots = _zero_stage(config), config.ray.pool_size
     return (
         _ceil_div(weights, slots) if stage >= 3 else weights,
