@@ -43,6 +43,7 @@ def rows_of(store, tokenizer):
     return collate([dict(r, advantage=0.0) for r in table.to_pylist()], tokenizer.pad_token_id)
 
 
+@pytest.mark.slow
 def test_only_the_adapters_train_and_only_they_are_stored(tmp_path):
     """The stored policy is PEFT's layout (adapter safetensors, no full weights) with the
     base it adapts; the adapters moved, the base did not (merged minus adapter = base)."""
@@ -93,6 +94,7 @@ def test_merged_weights_generate_as_the_peft_model_and_the_reference_is_the_base
     assert torch.equal(greedy["peft"], greedy["merged"])
 
 
+@pytest.mark.slow
 def test_a_worker_loads_a_stored_lora_policy_merged(tmp_path):
     """A rollout worker given the stored LoRA policy loads the merged weights (written once
     to its cache); they are the bytes an update hands to a worker's engine in memory."""
@@ -116,6 +118,7 @@ def test_a_worker_loads_a_stored_lora_policy_merged(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_resume_restores_the_adapter_and_its_optimizer_state(tmp_path):
     """Two updates straight in one worker equal one update, stored, and a second one that
     starts from the stored adapter and optimizer state (adapter parameters only)."""
@@ -162,6 +165,7 @@ def test_lora_settings_are_in_the_update_key_and_zero3_is_refused(tmp_path):
         load_config(ROOT / "configs" / "math_tiny.yaml", ["models.tiny.lora.rank=0"])
 
 
+@pytest.mark.slow
 def test_checkpointing_gives_lora_the_same_update(tmp_path):
     """Activation checkpointing (non-reentrant: peft's input-grad hook is not needed) on a
     LoRA policy: the same adapter as without it."""

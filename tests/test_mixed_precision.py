@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from test_update import TINY, WG, make_run
@@ -80,6 +81,7 @@ def test_updates_lost_in_bf16_rounding_add_up_in_the_fp32_masters(tmp_path):
     assert torch.equal(dict(fresh_model.named_parameters())[name], param)
 
 
+@pytest.mark.slow
 def test_bf16_update_stores_bf16_and_resumes_from_the_masters(tmp_path):
     """A bf16 group's stored policy is bf16; its optimizer state holds the fp32 masters, so
     a second update resumed from the store equals one continued in the worker."""
