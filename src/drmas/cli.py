@@ -27,6 +27,9 @@ examples:
     drmas serve-retrieval --corpus FILE --store ROOT [--host H --port P]
                                           serve a search corpus (BM25) over HTTP for
                                           task.retrieval_url
+    drmas import-gguf GGUF_FILE OUT_DIR [--dtype float32|bfloat16]
+                                          convert a GGUF model file (llama.cpp's format)
+                                          into a policy folder for models.NAME.source
 
 Pipelines (compile, submit, run --via kfp-local) take --run-id, --start-iteration K (start
 from the checkpoint of iteration K-1), --checkpoint URI and --force STAGE[@I] (recompute
@@ -167,6 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     _pipeline_options(submit_cmd)
     _cluster_options(submit_cmd)
 
+    import_cmd = commands.add_parser(
+        "import-gguf", help="convert a GGUF model file into a policy folder (HF layout, safetensors)"
+    )
+    import_cmd.add_argument("gguf_file", metavar="GGUF_FILE", help="the model file, e.g. from a package")
+    import_cmd.add_argument("out_dir", metavar="OUT_DIR", help="the policy folder to create (must not exist)")
+    import_cmd.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the saved weights (default: float32, the dequantised values exactly)",
+    )
+
     # The service's command parses its own arguments (drmas.tasks.retrieval_service.main).
     commands.add_parser(
         "serve-retrieval",
@@ -204,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args)
         if args.command == "pool":
             return _pool(args)
+        if args.command == "import-gguf":
+            return _import_gguf(args)
         if args.command in ("compile", "submit"):
             return _compile_or_submit(args)
         if args.via == "kfp-local":
@@ -219,6 +236,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"drmas: {error}", file=sys.stderr)
         return 2
+
+
+def _import_gguf(args: argparse.Namespace) -> int:
+    """``drmas import-gguf``: the folder on stdout, for a config's ``models.NAME.source``."""
+    from drmas.config import PolicyError  # noqa: PLC0415
+    from drmas.model_import import import_gguf  # noqa: PLC0415
+
+    try:
+        folder = import_gguf(args.gguf_file, args.out_dir, args.dtype)
+    except PolicyError as error:
+        return _fail("import-gguf", error)
+    print(folder)
+    return 0
 
 
 def _config_arguments(
