@@ -7,6 +7,12 @@ Everything is saved in the Hugging Face layout, so ``AutoModelForCausalLM.from_p
 loads it. A policy folder is input (it comes from a store, a hub or a user): weights are
 only ever read from safetensors, never with code from the folder, and a folder that cannot
 be loaded raises :class:`PolicyError` naming the folder and the reason.
+
+A hub id becomes a folder first (:func:`pretrained_folder`): a snapshot in the local
+Hugging Face cache at the pinned revision, downloaded when the hub is reachable and only
+looked up when it is not (``HF_HUB_OFFLINE=1``), with its config, safetensors and
+tokenizer files and nothing else. Every agent call is rendered by :func:`chat_prompt`:
+its model's own chat template, template variables and system message.
 """
 
 from __future__ import annotations
@@ -14,14 +20,24 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers import PreTrainedTokenizerBase as Tokenizer
 
-from drmas.config import ModelSpec, PolicyError, weights_problem
+from drmas.config import ModelSpec, PolicyError, TemplateVariables, weights_problem
 
-__all__ = ["PolicyError", "build_scratch_policy", "chat_turn", "load_model", "load_tokenizer", "train_tokenizer"]
+__all__ = [
+    "PolicyError",
+    "build_scratch_policy",
+    "chat_prompt",
+    "chat_turn",
+    "load_model",
+    "load_tokenizer",
+    "pretrained_folder",
+    "train_tokenizer",
+]
 
 
 END_OF_TEXT = "<|endoftext|>"
@@ -110,27 +126,126 @@ def _scratch_model(spec: ModelSpec, tokenizer: Tokenizer, seed: int) -> PreTrain
     return model.to(getattr(torch, spec.dtype))
 
 
-def load_tokenizer(source: str | Path) -> Tokenizer:
-    """A tokenizer from a hub id or a folder, left-padding (generation pads on the left)."""
+def load_tokenizer(source: str | Path, revision: str | None = None) -> Tokenizer:
+    """A tokenizer from a hub id (at ``revision``) or a folder, left-padding (generation
+    pads on the left)."""
+    folder = pretrained_folder(source, revision)
     with _refused_as_policy_error(source):
-        tokenizer = AutoTokenizer.from_pretrained(str(source), padding_side="left", trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), padding_side="left", trust_remote_code=False)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def load_model(source: str | Path, dtype: str = "float32") -> PreTrainedModel:
-    """A causal LM from a hub id or a folder: from safetensors only and without the folder's
-    own code (``trust_remote_code`` stays off), since either would run what the folder holds."""
-    folder = Path(source)
-    if folder.is_dir() and (problem := weights_problem(path.name for path in folder.iterdir())):
+def load_model(source: str | Path, dtype: str = "float32", revision: str | None = None) -> PreTrainedModel:
+    """A causal LM from a hub id (at ``revision``) or a folder: from safetensors only and
+    without the folder's own code (``trust_remote_code`` stays off), since either would run
+    what the folder holds."""
+    folder = pretrained_folder(source, revision)
+    if problem := weights_problem(path.name for path in folder.iterdir()):
         raise PolicyError(f"{source}: {problem}")
     with _refused_as_policy_error(source):
         model = AutoModelForCausalLM.from_pretrained(
-            str(source), dtype=getattr(torch, dtype), use_safetensors=True, trust_remote_code=False
+            str(folder), dtype=getattr(torch, dtype), use_safetensors=True, trust_remote_code=False
         )
     model.eval()
     return model
+
+
+HUB_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken")
+"""What drmas takes of a hub repository: the configs (and the shard index), safetensors
+weights, tokenizer files (vocab, merges, sentencepiece or tiktoken models) and the chat
+template; never pickled weights or code."""
+
+
+def pretrained_folder(source: str | Path, revision: str | None = None) -> Path:
+    """The folder that holds ``source``: a folder as it is; a hub id as its snapshot at
+    ``revision`` (a branch, tag or commit hash; unset: main) in the local Hugging Face
+    cache (``HF_HOME`` / ``HF_HUB_CACHE``), downloaded there first when the hub is
+    reachable. With ``HF_HUB_OFFLINE=1`` the hub is never asked: a branch or tag resolves
+    through the cache's refs, as the hub client itself records them."""
+    folder = Path(source).expanduser()
+    if revision is None and folder.is_dir():
+        return folder
+    from huggingface_hub import constants, snapshot_download  # noqa: PLC0415
+    from huggingface_hub.errors import (  # noqa: PLC0415
+        HFValidationError,
+        IncompleteSnapshotError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    repo_id, at = str(source), f"at revision {revision or 'main'!r}"
+    fetch = (
+        f"download it once where the hub is reachable (hf download {repo_id}"
+        + (f" --revision {revision}" if revision else "")
+        + f") into the cache this machine reads ({constants.HF_HUB_CACHE}; set by HF_HOME or HF_HUB_CACHE), "
+        "or make its source a local folder; HF_HUB_OFFLINE=1 keeps drmas to that cache"
+    )
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_FILES)))
+    except HFValidationError as error:
+        raise PolicyError(f"{repo_id}: neither a local folder nor a hub id ({_first_line(error)})") from None
+    except IncompleteSnapshotError:
+        raise PolicyError(f"hub model {repo_id!r} {at}: its cached snapshot is incomplete; {fetch}") from None
+    except LocalEntryNotFoundError:
+        reason = "HF_HUB_OFFLINE=1" if constants.is_offline_mode() else "the hub could not be reached"
+        raise PolicyError(
+            f"hub model {repo_id!r} {at} is neither in the local Hugging Face cache nor reachable ({reason}); {fetch}"
+        ) from None
+    except RevisionNotFoundError:
+        raise PolicyError(
+            f"hub model {repo_id!r} has no revision {revision!r} (a branch, tag or commit hash)"
+        ) from None
+    except RepositoryNotFoundError:
+        raise PolicyError(
+            f"hub model {repo_id!r} does not exist or is private or gated: check the id, or give a token "
+            "with access (HF_TOKEN, or hf auth login)"
+        ) from None
+
+
+def chat_prompt(
+    tokenizer: Tokenizer,
+    message: str,
+    system_prompt: str | None = None,
+    template_kwargs: TemplateVariables | None = None,
+) -> str:
+    """One agent call as its model expects it: ``message`` as the user turn of the model's
+    own chat template (with its template variables), after ``system_prompt`` as a system
+    message, then the generation prompt. A template that refuses a system message (it
+    raises) or drops it gets it at the start of the user message: the model still reads it."""
+    variables: dict[str, Any] = dict(template_kwargs or {})  # Any: transformers types its own kwargs
+    messages = [{"role": "user", "content": message}]
+    if system_prompt:
+        if takes_system_message(tokenizer, variables):
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        else:
+            messages[0]["content"] = f"{system_prompt}\n\n{message}"
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **variables)
+    return str(text)  # tokenize=False: the rendered text
+
+
+SYSTEM_PROBE = "drmas-system-probe"
+"""A system message that no template writes by itself: found in the rendering, it was kept."""
+
+
+def takes_system_message(tokenizer: Tokenizer, template_kwargs: TemplateVariables | None = None) -> bool:
+    """Whether the tokenizer's chat template renders a system message (some raise on one,
+    some leave it out)."""
+    from jinja2 import TemplateError  # noqa: PLC0415
+
+    probe = [{"role": "system", "content": SYSTEM_PROBE}, {"role": "user", "content": "?"}]
+    variables: dict[str, Any] = dict(template_kwargs or {})
+    try:
+        text = tokenizer.apply_chat_template(probe, tokenize=False, **variables)
+    except TemplateError:
+        return False
+    return SYSTEM_PROBE in text
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 @contextmanager
@@ -142,5 +257,4 @@ def _refused_as_policy_error(source: str | Path) -> Iterator[None]:
     try:
         yield
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise PolicyError(f"{source}: not a loadable policy ({reason})") from None
+        raise PolicyError(f"{source}: not a loadable policy ({_first_line(error)})") from None

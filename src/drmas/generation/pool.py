@@ -313,6 +313,7 @@ class RayPool:
             max_prompt_tokens=self.config.rollout.max_prompt_tokens,
             truncation=self.config.rollout.truncation,
             chat_template_kwargs=group.chat_template_kwargs,
+            system_prompt=group.system_prompt,
             cache_dir=self.cache_dir,
             threads=max(1, self.threads // len(self.slots[wg])),
         )

@@ -68,7 +68,8 @@ WORKER_GROUPS = ("agents", "models", "workers", *(f"train.{name}" for name in WO
 
 POOL = (*WORKER_GROUPS, "rollout.engine", "rollout.max_prompt_tokens", "rollout.truncation")
 """What the pool hands each worker group's runtime (engine, dtype, prompt cut, chat
-template): what a generating stage reads when it starts the pool."""
+template variables, system prompt: all in ``models``): what a generating stage reads when it
+starts the pool."""
 
 
 def _fields(*names: str) -> tuple[str, ...]:

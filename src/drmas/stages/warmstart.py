@@ -36,7 +36,7 @@ from drmas.config import DrmasConfig
 from drmas.generation.workers import PolicyRef, truncate_prompt
 from drmas.infra.layout import run_path
 from drmas.infra.store import Store
-from drmas.models import load_model, load_tokenizer
+from drmas.models import chat_prompt, load_model, load_tokenizer
 from drmas.registry import task_for
 from drmas.tasks import Demonstrations
 from drmas.training.batching import collate, token_logprobs
@@ -151,14 +151,10 @@ def _fine_tune(
     warm = config.warmstart
     tokenizer, model = load_tokenizer(folder), load_model(folder)
     model.train()
+    group = config.worker_group(label)
     rows = []
     for prompt, response in pairs:
-        chat = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}],
-            add_generation_prompt=True,
-            tokenize=False,
-            **config.worker_group(label).chat_template_kwargs,
-        )
+        chat = chat_prompt(tokenizer, prompt, group.system_prompt, group.chat_template_kwargs)
         prompt_ids = truncate_prompt(
             tokenizer(chat, add_special_tokens=False)["input_ids"],
             config.rollout.max_prompt_tokens,

@@ -402,7 +402,7 @@ def math_demonstrations(questions: list[Question], config: DrmasConfig, rng: np.
     sampled); ``warmstart.wrong_fraction`` of the first attempts box a wrong number, and
     ``warmstart.verdict_noise`` of the Verifier's verdicts are wrong.
     """
-    solver, verifier = SolverAgent(), MathVerifierAgent()
+    solver, verifier = SolverAgent(config.task.prompts), MathVerifierAgent(config.task.prompts)
     warm = config.warmstart
     demos: Demonstrations = {"solver": [], "verifier": []}
     for question in questions:
@@ -475,7 +475,7 @@ class MathOrchestra:
     def __init__(self, task: TaskConfig, tools: Tools) -> None:
         self.max_loops = task.max_loops
         self.malformed_passes = task.malformed_verdict_passes
-        self.agent_objects = {name: cls() for name, cls in self.agents.items()}
+        self.agent_objects = {name: cls(prompts=task.prompts) for name, cls in self.agents.items()}
 
     def run(self, episodes: list[Episode], team: Team) -> None:
         pending = list(episodes)
@@ -513,7 +513,7 @@ class SoloOrchestra:
     agents = {"solver": SolverAgent}
 
     def __init__(self, task: TaskConfig, tools: Tools) -> None:
-        self.agent_objects = {"solver": SolverAgent()}
+        self.agent_objects = {"solver": SolverAgent(prompts=task.prompts)}
 
     def run(self, episodes: list[Episode], team: Team) -> None:
         for episode, solution in zip(episodes, team.call("solver", episodes, step=1), strict=True):

@@ -20,9 +20,10 @@ private-use or unassigned code points and fullwidth look-alikes make the call ma
 Such an answer can read as right to a person and still not match, or match only through a
 lenient parser; either way the output is not in the format the role asks for.
 
-The built-in prompts paraphrase the reference code's (Dr. MAS) in a line each: every
-prompt token costs compute in every rollout and update, and the small models that train on
-CPU learn the roles from demonstrations, not from instructions.
+The built-in agents take their words from a prompt set (``drmas.team.prompts``, chosen by
+``task.prompts``): ``compact``, a line per role for models built from scratch, which learn
+their roles from demonstrations; ``reference``, modelled on the reference's agents for
+pretrained chat models, which follow instructions.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from drmas.team.episodes import Episode
+from drmas.team.prompts import MATH_PROMPTS, SEARCH_PROMPTS, PromptSetName, prompt_set
 
 __all__ = [
     "Agent",
@@ -158,10 +160,6 @@ def _one_think_block(text: str) -> bool:
     return opened == 1 and closed == 1 and text.index("<think>") < text.index("</think>")
 
 
-def _context(episode: Episode) -> str:
-    return "\n".join(episode.team_context)
-
-
 def verifier_context(response: str) -> str:
     """The team-context line of a verifier's output: its whole response (the critique the
     next Solver or the Search agent reads, as in the reference), not only its verdict.
@@ -170,45 +168,33 @@ def verifier_context(response: str) -> str:
     return f"Verifier: {response or 'no verdict'}"
 
 
-def _history(episode: Episode, length: int) -> str:
-    shown = episode.history[-length:] if length else []
-    first = len(episode.history) - len(shown) + 1
-    return "\n".join(
-        f"Step {first + i}: <search>{query}</search> <information>{info}</information>"
-        for i, (query, info) in enumerate(shown)
-    )
-
-
 # ------------------------------------------------------------------------------------
 # math: Solver <-> Verifier
 # ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
 class SolverAgent:
     """Solves the problem, using teammates' earlier outputs as context."""
 
+    prompts: PromptSetName = "compact"
+
     def prompt(self, episode: Episode, step: int) -> str:
-        context = _context(episode)
-        return (
-            f"Problem: {episode.question.question}\n"
-            + (f"{context}\n" if context else "")
-            + "Solver: solve it step by step, final answer in \\boxed{}."
-        )
+        return prompt_set(MATH_PROMPTS, self.prompts).solver(episode)
 
     def parse(self, response: str) -> Parsed:
         answer = extract_boxed(response)
         return Parsed(text=response, is_valid=answer is not None and is_plain(answer))
 
 
+@dataclass(frozen=True)
 class MathVerifierAgent:
     """Reviews the latest solution and approves or rejects it."""
 
+    prompts: PromptSetName = "compact"
+
     def prompt(self, episode: Episode, step: int) -> str:
-        return (
-            f"Problem: {episode.question.question}\n"
-            f"{_context(episode)}\n"
-            "Verifier: check the last solution, end with <verify>approve</verify> or <verify>reject</verify>."
-        )
+        return prompt_set(MATH_PROMPTS, self.prompts).verifier(episode)
 
     def parse(self, response: str) -> Parsed:
         return _verdict(response, ("approve", "reject"))
@@ -242,25 +228,15 @@ def _tagged_after_thinking(response: str, tag: str) -> Parsed:
     return Parsed(text=content or "", is_valid=well_formed)
 
 
-def _search_prompt(episode: Episode, history_length: int, instruction: str) -> str:
-    """The question, the last turns' queries and passages, then the role's instruction."""
-    history = _history(episode, history_length)
-    return f"Question: {episode.question.question}\n" + (f"History:\n{history}\n" if history else "") + instruction
-
-
 @dataclass(frozen=True)
 class RouterAgent:
     """Judges whether the retrieved information suffices: yes -> answer, no -> search."""
 
     history_length: int = 4
+    prompts: PromptSetName = "compact"
 
     def prompt(self, episode: Episode, step: int) -> str:
-        return _search_prompt(
-            episode,
-            self.history_length,
-            f"You are the Verifier at step {step}. Is the information enough to answer? "
-            "End with <verify>yes</verify> or <verify>no</verify>.",
-        )
+        return prompt_set(SEARCH_PROMPTS, self.prompts).router(episode, step, self.history_length)
 
     def parse(self, response: str) -> Parsed:
         return _verdict(response, ("yes", "no"), lower=True)
@@ -271,15 +247,10 @@ class SearchAgent:
     """Writes one search query; the orchestra answers it with retrieved passages."""
 
     history_length: int = 4
+    prompts: PromptSetName = "compact"
 
     def prompt(self, episode: Episode, step: int) -> str:
-        return _search_prompt(
-            episode,
-            self.history_length,
-            f"Teammates at step {step}:\n{_context(episode)}\n"
-            "You are the Searcher. Think in <think></think>, then give one query as "
-            "<search>query</search>.",
-        )
+        return prompt_set(SEARCH_PROMPTS, self.prompts).searcher(episode, step, self.history_length)
 
     def parse(self, response: str) -> Parsed:
         return _tagged_after_thinking(response, "search")
@@ -290,13 +261,10 @@ class AnswerAgent:
     """Gives the final answer from the retrieved information."""
 
     history_length: int = 4
+    prompts: PromptSetName = "compact"
 
     def prompt(self, episode: Episode, step: int) -> str:
-        return _search_prompt(
-            episode,
-            self.history_length,
-            "You are the Answerer. Think in <think></think>, then answer as <answer>answer</answer>.",
-        )
+        return prompt_set(SEARCH_PROMPTS, self.prompts).answerer(episode, step, self.history_length)
 
     def parse(self, response: str) -> Parsed:
         """The answer; an output without <answer> tags has not acted (the episode goes on,
