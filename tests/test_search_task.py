@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import Stemmer
 
 from drmas.config import DataConfig, load_config
 from drmas.infra.store import CorruptArtifact, Store
@@ -425,6 +426,29 @@ def test_default_tokens_are_lower_case_words_without_stopwords():
     assert tokens == [["vell", "river", "x", "born", "1834", "b", "7"]]
     assert Tokenization(stopwords="none").tokens(["The cat"]) == [["the", "cat"]]
     assert STEMMED.tokens(["Running runs cities city"]) == [["run", "run", "citi", "citi"]]
+
+
+@pytest.mark.parametrize("stemmer", ["none", "english"])
+@pytest.mark.parametrize("stopwords", ["none", "english"])
+def test_tokens_are_bm25s_own(stemmer, stopwords):
+    """The terms are bm25s.tokenize's, with the same stop words and PyStemmer stemmer, on
+    text with case, digits, punctuation, non-ASCII words and an empty text."""
+    texts = [
+        "The Runners RAN; running runs 1834 times!",
+        "",
+        "Cafés of Zürich: generalizations, generously generated.",
+        "a b c d x y z the of and",
+        "connection connected connecting CONNECTS",
+    ]
+    expected = bm25s.tokenize(
+        texts,
+        token_pattern=search.TOKEN_PATTERN,
+        stopwords="en" if stopwords == "english" else None,
+        stemmer=Stemmer.Stemmer("english") if stemmer == "english" else None,
+        return_ids=False,
+        show_progress=False,
+    )
+    assert Tokenization(stemmer, stopwords).tokens(texts) == expected
 
 
 def test_stemming_finds_the_other_forms_of_a_word():
