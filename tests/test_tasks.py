@@ -360,6 +360,44 @@ def test_a_config_with_s3_data_reads_it_with_the_store_settings(s3_env, s3_data)
 
 
 @pytest.mark.s3
+def test_dataset_folders_on_s3_read_as_the_local_ones(s3_env, s3_data, tmp_path):
+    """Hub shards (one split chosen by name) and a save_to_disk DatasetDict (its Arrow
+    stream files), uploaded under a prefix: the same questions as from a local copy; the
+    folder's name is the default source."""
+    store = StoreConfig(endpoint=s3_env.endpoint)
+    train, test = pa.Table.from_pylist(ROWS), pa.table({"question": ["Why?"], "answer": ["because"]})
+    files: dict[str, bytes | pa.Table] = {
+        "hub/data/train-00000-of-00002.parquet": train.slice(0, 1),
+        "hub/data/train-00001-of-00002.parquet": train.slice(1),
+        "hub/data/test-00000-of-00001.parquet": test,
+        "hub/README.md": b"---\nlicense: mit\n---\n",
+        "disk/dataset_dict.json": b'{"splits": ["train", "test"]}',
+    }
+    for split, table in (("train", train), ("test", test)):
+        stream = pa.BufferOutputStream()
+        with pa.ipc.new_stream(stream, table.schema) as writer:
+            writer.write_table(table)
+        files[f"disk/{split}/data-00000-of-00001.arrow"] = stream.getvalue().to_pybytes()
+        state = {"_data_files": [{"filename": "data-00000-of-00001.arrow"}], "_split": split}
+        files[f"disk/{split}/state.json"] = json.dumps(state).encode()
+    for name, content in files.items():
+        local = tmp_path / name
+        local.parent.mkdir(parents=True, exist_ok=True)
+        uri = s3_data(name, content)
+        _write(local, content)
+    root = uri.rsplit("/disk/", 1)[0]
+    for folder in ("hub", "disk"):
+        for split in ("train", "eval"):
+            remote = load_qa(f"{root}/{folder}/", split, DataConfig(), 0, store)
+            assert remote == load_qa(str(tmp_path / folder), split, DataConfig(), 0)
+            assert [q.answers for q in remote] == ([("Ann",), ("x", "y")] if split == "train" else [("because",)])
+            assert {q.data_source for q in remote} <= {"nq", folder}
+    missing = f"{root}/nothing-here"
+    with pytest.raises(DataError, match=f"^{re.escape(missing)}: no such file or folder$"):
+        load_qa(missing, "train", DataConfig(), 0, store)
+
+
+@pytest.mark.s3
 def test_the_s3_endpoint_may_come_from_the_environment(s3_env, s3_data, monkeypatch):
     monkeypatch.delenv("DRMAS_S3_ENDPOINT", raising=False)
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env.endpoint)
