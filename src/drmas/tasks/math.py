@@ -1,25 +1,21 @@
 """The math task: its questions (files or a generated arithmetic set), its reward, and the
 warm start's demonstrations of the Solver and the Verifier.
 
-The reward follows the reference (DeepScaleR/rLLM grader as used by Dr. MAS): the final
-answer is the content of the last ``\\boxed{}`` after any ``</think>``, and it is correct when
-it equals a gold answer after Hendrycks-MATH normalisation. Where the reference then asks
-sympy whether ``gold - pred`` simplifies to 0, this module only compares exact rational
-numbers with a small parser of its own: model text is never evaluated as code (no eval,
-no sympify), and every check is linear in the input, so a hostile or huge answer costs
-nothing. So ``0.5 == \\frac{1}{2} == 1/2`` and ``85 == 85.0``, but equivalent symbolic
-forms (``2\\sqrt{2}`` vs ``\\sqrt{8}``) only match when their normalised text is equal.
+The reward is 1 when the final answer (the last ``\\boxed{}`` after any ``</think>``, or a
+last line ``Answer: ...`` as DAPO's prompt asks) is right for a gold answer, by
+``drmas.tasks.grading.grade_answer``: an exact path (normalised text, exact rationals),
+then math-verify for equivalent forms (``2\\sqrt{2}`` and ``\\sqrt{8}``, ``3, 5`` and
+``5, 3``). Model text is never evaluated as code and every call is bounded in time; see
+that module.
 
-Data files: JSONL, JSON or Parquet, or dataset folders (read by ``drmas.tasks.files``), with
-the question and answer columns named in ``DataConfig``; GSM8K, MATH/MATH-500, DAPO and AIME
-rows load as published.
+Data files: JSONL, JSON or Parquet (read by ``drmas.tasks.files``), with the question and
+answer columns named in ``DataConfig``; GSM8K, MATH/MATH-500 and DAPO rows load as published.
 """
 
 from __future__ import annotations
 
 import random
 import re
-from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -27,7 +23,14 @@ import numpy as np
 from drmas.config import TaskConfig
 from drmas.tasks import DataError, Demonstrations, Question, Split, Tools
 from drmas.tasks.files import read_questions
-from drmas.team.agents import MathVerifierAgent, SolverAgent, extract_boxed, verifier_context
+from drmas.tasks.grading import answers_match, grade_answer, normalize_answer
+from drmas.team.agents import (
+    MathVerifierAgent,
+    SolverAgent,
+    extract_boxed,
+    extract_final_answer,
+    verifier_context,
+)
 from drmas.team.episodes import Episode
 from drmas.team.orchestras import Team, verdict_passes
 
@@ -49,143 +52,21 @@ __all__ = [
 ]
 
 # --------------------------------------------------------------------------------------
-# Normalisation and equivalence
+# The reward (the grader itself is drmas.tasks.grading)
 # --------------------------------------------------------------------------------------
-
-_TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mbox)\s*\{")
-_SPACING = re.compile(r"\\[!,;: ]")
-_LEFT_RIGHT = re.compile(r"\\(?:left|right)(?![A-Za-z])")
-_DROPPED = ("\\$", "$", "\\%", "%", "^{\\circ}", "^\\circ")
-_ASSIGNMENT = re.compile(r"(?:[A-Za-z]|\\[A-Za-z]+)=([^=]+)")
-_FRAC_TWO_TOKENS = re.compile(r"\\frac(\w)(\w)")
-_FRAC_BARE_NUMERATOR = re.compile(r"\\frac(\w)\{")
-_FRAC_BARE_DENOMINATOR = re.compile(r"(\\frac\{[^{}]*\})(\w)")
-_SQRT_BARE = re.compile(r"\\sqrt(\w)")
-_THOUSANDS = re.compile(r"[+-]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?")
-
-
-def _unwrap_text_commands(text: str) -> str:
-    """Drop ``\\text{`` and friends with their closing brace, keeping the content.
-
-    One pass with a stack of "keep this closing brace?" flags, so nested braces inside the
-    wrapper survive and the cost stays linear.
-    """
-    if not _TEXT_WRAPPER.search(text):
-        return text
-    out: list[str] = []
-    keep_closing: list[bool] = []
-    i = 0
-    while i < len(text):
-        char = text[i]
-        wrapper = _TEXT_WRAPPER.match(text, i) if char == "\\" else None
-        if wrapper:
-            keep_closing.append(False)
-            i = wrapper.end()
-            continue
-        if char == "\\":
-            out.append(text[i : i + 2])
-            i += 2
-            continue
-        if char == "{":
-            keep_closing.append(True)
-        elif char == "}" and keep_closing and not keep_closing.pop():
-            i += 1
-            continue
-        out.append(char)
-        i += 1
-    return "".join(out)
-
-
-def normalize_answer(text: str) -> str:
-    """Hendrycks-MATH normalisation, so that notation differences do not count as errors.
-
-    Removes whitespace, ``$``, ``\\text{}`` wrappers (keeping their content), ``\\left`` and
-    ``\\right``, spacing commands, a trailing period, degrees and percent signs, a leading
-    single-variable assignment (``x = 5`` -> ``5``) and thousands separators of plain numbers;
-    writes ``\\dfrac``/``\\tfrac`` as ``\\frac`` and ``\\frac12``/``\\sqrt2`` with braces.
-    Unlike the original it keeps ``0.5`` as it is: numbers are compared as rationals later.
-    """
-    s = _unwrap_text_commands(text)
-    s = _SPACING.sub("", s)
-    s = _LEFT_RIGHT.sub("", s)
-    s = "".join(s.split())
-    for dropped in _DROPPED:
-        s = s.replace(dropped, "")
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("{,}", ",")
-    s = s.removesuffix(".")
-    assignment = _ASSIGNMENT.fullmatch(s)
-    if assignment:
-        s = assignment.group(1)
-    s = _FRAC_TWO_TOKENS.sub(r"\\frac{\1}{\2}", s)
-    s = _FRAC_BARE_NUMERATOR.sub(r"\\frac{\1}{", s)
-    s = _FRAC_BARE_DENOMINATOR.sub(r"\1{\2}", s)
-    s = _SQRT_BARE.sub(r"\\sqrt{\1}", s)
-    if _THOUSANDS.fullmatch(s):
-        s = s.replace(",", "")
-    return s
-
-
-_NUMBER = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
-"""ASCII digits only: Fraction would read other scripts' digits (fullwidth ８５ as 85), which
-the reference's checker does not, and which a person may not see as a different text."""
-_DECIMAL = re.compile(_NUMBER)
-_SLASH = re.compile(rf"({_NUMBER})/({_NUMBER})")
-_LATEX_FRAC = re.compile(rf"([+-]?)\\frac\{{({_NUMBER})\}}\{{({_NUMBER})\}}")
-_MAX_NUMBER_CHARS = 100
-"""Longer strings are not parsed as numbers (they can still match as text); this also
-keeps clear of int()'s digit limit."""
-
-
-def _ratio(numerator: str, denominator: str) -> Fraction | None:
-    """numerator / denominator, or None for a zero denominator (never an exception)."""
-    bottom = Fraction(denominator)
-    return None if bottom == 0 else Fraction(numerator) / bottom
-
-
-def _parse_rational(s: str) -> Fraction | None:
-    """The exact value of a normalised number (``-3``, ``0.25``, ``1/4``, ``-\\frac{1}{4}``).
-
-    A whitelist of forms matched by regular expressions and built with ``Fraction``: nothing
-    is evaluated, so no input can run code or take long.
-    """
-    if len(s) > _MAX_NUMBER_CHARS:
-        return None
-    if _DECIMAL.fullmatch(s):
-        return Fraction(s)
-    slash = _SLASH.fullmatch(s)
-    if slash:
-        return _ratio(slash.group(1), slash.group(2))
-    frac = _LATEX_FRAC.fullmatch(s)
-    if frac:
-        value = _ratio(frac.group(2), frac.group(3))
-        return -value if value is not None and frac.group(1) == "-" else value
-    return None
-
-
-def answers_match(predicted: str, gold: str) -> bool:
-    """Whether a predicted answer equals a gold one: same normalised text or same rational.
-
-    Pure and thread-safe (no signals, no global state); an empty answer never matches.
-    """
-    pred, truth = normalize_answer(predicted), normalize_answer(gold)
-    if not pred or not truth:
-        return False
-    if pred == truth:
-        return True
-    value = _parse_rational(pred)
-    return value is not None and value == _parse_rational(truth)
 
 
 def math_reward(final_text: str | None, question: Question) -> float:
-    """1.0 when the last boxed answer of ``final_text`` matches a gold answer, else 0.0.
+    """1.0 when the final answer of ``final_text`` (``extract_final_answer``: the last box,
+    or a last line ``Answer: ...``) is right for a gold answer (``grade_answer``), else 0.0.
 
     A gold answer that is itself boxed is unboxed first, as in the reference.
     """
-    predicted = extract_boxed(final_text) if final_text else None
+    predicted = extract_final_answer(final_text) if final_text else None
     if predicted is None:
         return 0.0
     golds = (_unboxed(answer) for answer in question.answers)
-    return 1.0 if any(answers_match(predicted, gold) for gold in golds) else 0.0
+    return 1.0 if any(grade_answer(predicted, gold) for gold in golds) else 0.0
 
 
 def _unboxed(answer: str) -> str:
@@ -439,7 +320,7 @@ def math_demonstrations(questions: list[Question], config: DrmasConfig, rng: np.
 
 
 class MathTask:
-    """Math problems, no tools, reward 1/0 by the safe answer checker."""
+    """Math problems, no tools, reward 1/0 by the answer grader (``drmas.tasks.grading``)."""
 
     default_data = "generated:arithmetic"
     default_orchestra = "math"
@@ -466,7 +347,7 @@ class MathOrchestra:
     """Solver then Verifier, up to ``task.max_loops`` Solver calls per episode.
 
     No verification after the last solve; an approved episode is not solved again; the
-    final answer is the last Solver output (its last \\boxed{}); a missing or malformed
+    final answer is the last Solver output (its last \\boxed{} or ``Answer:`` line); a missing or malformed
     verdict counts as approve unless ``task.malformed_verdict_passes`` is False.
     """
 

@@ -45,6 +45,7 @@ __all__ = [
     "SearchAgent",
     "SolverAgent",
     "extract_boxed",
+    "extract_final_answer",
     "find_tag",
     "is_plain",
     "verifier_context",
@@ -144,6 +145,30 @@ def extract_boxed(text: str) -> str | None:
     return _box_argument(tail, boxes[-1].end()) if boxes else None
 
 
+_ANSWER_LINE = re.compile(r"(?:\*\*)?(?:final\s+)?answer(?:\*\*)?\s*:(.*)", re.IGNORECASE)
+_MATH_DELIMITERS = (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The final answer of a solution: the last ``\\boxed{}`` (``extract_boxed``), or, in a
+    response with no box after its thoughts, what follows ``Answer:`` on its last non-empty
+    line, the form DAPO's prompt asks for ("The last line of your response should be of the
+    form Answer: $Answer"). Markdown bold, "Final", and ``$...$`` around the answer are allowed.
+    """
+    tail = text.rpartition("</think>")[2]
+    if _BOX.search(tail):
+        return extract_boxed(text)
+    line = tail.rstrip().rpartition("\n")[2].strip()
+    match = _ANSWER_LINE.fullmatch(line)
+    if match is None:
+        return None
+    answer = match.group(1).strip().removeprefix("**").removesuffix("**").strip()
+    for opening, closing in _MATH_DELIMITERS:
+        if len(answer) >= len(opening) + len(closing) and answer.startswith(opening) and answer.endswith(closing):
+            return answer[len(opening) : -len(closing)].strip()
+    return answer
+
+
 def is_plain(text: str) -> bool:
     """Whether ``text`` has no hidden, private or fullwidth characters (whitespace such as
     newlines and tabs is fine)."""
@@ -183,7 +208,7 @@ class SolverAgent:
         return prompt_set(MATH_PROMPTS, self.prompts).solver(episode)
 
     def parse(self, response: str) -> Parsed:
-        answer = extract_boxed(response)
+        answer = extract_final_answer(response)
         return Parsed(text=response, is_valid=answer is not None and is_plain(answer))
 
 
