@@ -57,8 +57,8 @@ __all__ = [
 
 FALLBACK_TIMEOUT_S = 1.0
 """How long one math-verify comparison may take (parsing included) before it counts as no
-match. Typical comparisons take 1-20 ms; the first ones in a process up to a few hundred
-(sympy and the ANTLR tables warm up)."""
+match. Measured on the corpus (bench/grading.py, a loaded 2-core machine): a pair seen for
+the first time takes a median 13 ms, p95 160 ms, at most 240 ms; a cached one 0.1 ms."""
 
 # --------------------------------------------------------------------------------------
 # Cleaning: what a person ignores when reading an answer
