@@ -1,9 +1,10 @@
 """Whether a final answer equals a gold answer: a fast exact path, then math-verify.
 
 1. Both answers are cleaned (``clean_answer``: units, spacing, Unicode symbols) and
-   normalised (``normalize_answer``), then compared as text and, when both are plain
-   numbers, as exact rationals. A number against a number is decided here either way, and
-   most rollouts (GSM8K, AIME, DAPO: integer answers) never go further.
+   normalised (``normalize_answer``), then compared as text, as exact rationals when both
+   are plain numbers, and item by item when both are lists, sets, tuples or intervals of
+   plain numbers. A number against a number is decided here either way, and most rollouts
+   (GSM8K, AIME, DAPO: integer answers) never go further.
 2. What is left goes, unless a guard refuses it, to math-verify (the checker of open-r1,
    TRL and veRL), which reads LaTeX into sympy and compares the mathematics: ``2\\sqrt2``
    and ``\\sqrt8``, ``3, 5`` and ``5, 3``, ``x=5, y=3`` and ``(5,3)``, ``1+2x`` and ``2x+1``.
@@ -20,7 +21,9 @@ Rules a person applies that math-verify does not (each one a reward hack otherwi
 
 Safety. Model text is never evaluated: only math-verify's LaTeX extraction is used (its
 expression extraction goes through sympy ``parse_expr``, which evaluates text), and
-``latex2sympy`` builds sympy objects from an ANTLR parse tree. math-verify bounds its own
+``latex2sympy`` builds sympy objects from an ANTLR parse tree (its number tokens, digits
+only, become ``sympy.Number(token)``, which passes them through ``parse_expr``: the only
+text that function sees, as tests/test_grader.py checks). math-verify bounds its own
 time with ``signal.alarm``, which only works in the main thread; here it is off, and every
 call runs on one worker thread: the caller waits at most ``timeout_s`` seconds, and a
 computation past its deadline is stopped by an exception raised in the worker thread, so
@@ -204,9 +207,9 @@ def normalize_answer(text: str) -> str:
     After ``clean_answer``: no whitespace, text and font wrappers (``\\text{}``,
     ``\\mathbf{}``...) dropped with their content kept, no trailing period, no ``%``, a
     leading single-variable assignment dropped (``x = 5`` -> ``5``), thousands separators
-    of plain numbers removed, ``\\dfrac``/``\\tfrac`` as ``\\frac`` and ``\\frac12``/``\\sqrt2`` with braces. The
-    MATH dataset's grader (Hendrycks et al.) does much the same; unlike it, ``0.5`` stays
-    as it is: numbers are compared as exact rationals afterwards.
+    of plain numbers removed, ``\\dfrac``/``\\tfrac`` as ``\\frac``, and ``\\frac12``/``\\sqrt2``
+    with braces. The MATH dataset's grader (Hendrycks et al.) does much the same; unlike
+    it, ``0.5`` stays as it is: numbers are compared as exact rationals afterwards.
     """
     s = _unwrap_text_commands(clean_answer(text))
     s = "".join(s.split())
@@ -278,12 +281,12 @@ def _parse_rational(s: str) -> Fraction | None:
 _INFINITY = re.compile(r"([+-]?)\\infty")
 _UNORDERED = ("set", "list")
 _MAX_COLLECTION_CHARS = 300
-Numbers = tuple[str, tuple[Fraction | str, ...]]
+_Numbers = tuple[str, tuple[Fraction | str, ...]]
 """A collection of plain numbers: its kind (``set``, ``list``, or its brackets such as
 ``(]``) and its items (a Fraction, or ``inf``/``-inf``)."""
 
 
-def _numbers(s: str) -> Numbers | None:
+def _numbers(s: str) -> _Numbers | None:
     """``3,5``, ``\\{1,2\\}``, ``(5,3)``, ``(-\\infty,2]`` as a collection of numbers; None for
     anything else (a single number included: ``_parse_rational`` reads those), and for
     more than ``_MAX_COLLECTION_CHARS`` characters."""
