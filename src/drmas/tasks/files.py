@@ -92,6 +92,9 @@ DATASET_STATE = "state.json"
 """What ``datasets``' ``save_to_disk`` writes beside a Dataset's Arrow files: their list."""
 DATASET_DICT = "dataset_dict.json"
 """What it writes for a DatasetDict: ``{"splits": [...]}``, one subfolder per split."""
+METADATA = frozenset({"dataset_info.json", "dataset_infos.json", DATASET_STATE, DATASET_DICT})
+"""JSON files in a dataset folder that describe it and hold no rows (``dataset_infos.json``
+sits at the root of many hub repositories)."""
 _HUB_SHARD = re.compile(r"^(.+?)-(\d{5})-of-(\d{5})(?:-[0-9a-f]{16})?$")
 """A shard's stem as the hub and ``datasets`` name it: ``train-00000-of-00002``, with the
 content hash that older hub conversions append (``-7320a6f3aba8ebd2``)."""
@@ -428,7 +431,9 @@ def _folder_rows(folder: DataFolder, split: FolderSplit) -> list[tuple[str, dict
         return _arrow_dataset(files, f"{chosen}/")
     if DATASET_STATE in files:
         return _arrow_dataset(files, "")
-    data_files = [name for name in files if Path(name).suffix.lower() in FILE_TYPES]
+    data_files = [
+        name for name in files if Path(name).suffix.lower() in FILE_TYPES and posixpath.basename(name) not in METADATA
+    ]
     if not data_files:
         raise DataError(
             f"{folder.name}: no data files in the folder (.jsonl, .json or .parquet files, or a datasets "
@@ -466,8 +471,10 @@ def _choose_split(folder: DataFolder, split: FolderSplit, splits: dict[str, list
 
 def _listing(names: list[str], most: int = 6) -> str:
     """Names for a message, the first ``most`` of them and how many more."""
-    shown = ", ".join(names[:most])
-    return shown + (f" and {len(names) - most} more" if len(names) > most else "") if names else "nothing"
+    if not names:
+        return "nothing"
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
 
 
 def _check_shards(folder: DataFolder, names: list[str]) -> None:
@@ -500,14 +507,16 @@ def _json_object(file: DataFile) -> dict[str, Any]:
 
 def _arrow_dataset(files: dict[str, DataFile], prefix: str) -> list[tuple[str, dict[str, Any]]]:
     """The rows of a ``save_to_disk`` Dataset under ``prefix``: the Arrow files its
-    ``state.json`` lists under ``_data_files``, in that order."""
+    ``state.json`` lists under ``_data_files``, in that order (only files inside the
+    folder: a listed ``../x`` is not among ``files``, so it is missing)."""
     state_name = f"{prefix}{DATASET_STATE}"
     if state_name not in files:
         raise DataError(f"{files[DATASET_DICT].name}: names split {prefix[:-1]!r}, but {state_name} is missing")
     state = files[state_name]
     listed = _json_object(state).get("_data_files")
-    names = [entry.get("filename") for entry in listed if isinstance(entry, dict)] if isinstance(listed, list) else []
-    if not names or not all(isinstance(name, str) and name for name in names) or len(names) != len(listed or []):
+    entries = listed if isinstance(listed, list) else []
+    names = [entry.get("filename") if isinstance(entry, dict) else None for entry in entries]
+    if not names or not all(isinstance(name, str) and name for name in names):
         raise DataError(
             f"{state.name}: no list of {{'filename': ...}} under '_data_files' (not a save_to_disk folder?)"
         )
@@ -524,7 +533,7 @@ def _arrow_stream(file: DataFile) -> list[dict[str, Any]]:
     """The rows of an Arrow IPC stream, the format ``datasets`` writes its tables in."""
     try:
         source = pa.memory_map(str(file.path)) if file.path is not None else pa.BufferReader(file.read_bytes())
-        with paipc.open_stream(source) as reader:
+        with source, paipc.open_stream(source) as reader:
             return reader.read_all().to_pylist()
     except (pa.ArrowException, OSError) as error:
         raise DataError(f"{file.name}: not a readable Arrow stream, as datasets writes ({error})") from None
