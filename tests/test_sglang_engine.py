@@ -258,6 +258,26 @@ def test_weights_handed_over_while_released_go_in_at_resume_not_from_disk(sglang
     assert not any(call[0] == "update_weights_from_disk" for call in calls)
 
 
+def test_weights_handed_over_while_resident_survive_every_later_release(sglang):
+    """An update's weights go in while the engine is resident; the engine is then released
+    (another group's turn on the slot) and resumed, twice: each resume pushes the update's
+    weights again, never the older policy folder the engine started from (that would make
+    the next rollout sample from the policy before the update)."""
+    engine = sglang()
+    engine.load(Path("/policies/v0"))
+    engine.set_weights({"w": 7})
+    for _ in range(2):
+        engine.offload()
+        engine.generate([[1]], SAMPLING, stop_ids=[], seeds=[0])
+    calls = ScriptedEngine.instances[0].calls
+    assert [weights for name, weights in calls if name == "generate"] == ["tensors:7", "tensors:7"]
+    assert not any(call[0] == "update_weights_from_disk" for call in calls)
+    engine.load(Path("/policies/v1"))  # a stored policy replaces the handed-over weights
+    engine.offload()
+    engine.generate([[1]], SAMPLING, stop_ids=[], seeds=[0])
+    assert ScriptedEngine.instances[0].calls[-1] == ("generate", "/policies/v1")
+
+
 def test_a_refused_in_memory_weight_update_raises(sglang):
     engine = sglang()
     engine.load(Path("/policies/v0"))

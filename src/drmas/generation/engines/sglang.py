@@ -60,14 +60,16 @@ class SGLangEngine:
         self.seed = seed
         self.engine: Any = None
         self.policy_dir: Path | None = None
-        self.pending: dict[str, torch.Tensor] | None = None
-        """An update's weights handed over while the memory was released: pushed at resume."""
+        self.handed_over: dict[str, torch.Tensor] | None = None
+        """The last update's weights, handed over in memory (``set_weights``): the engine's
+        weights until the next ``load``. A release throws the engine's weights away and the
+        policy folder it loaded is older, so they are pushed again at every resume."""
         self.resident = False
 
     def load(self, policy_dir: Path) -> None:
         """Start the engine on this policy, or put the policy's weights into it."""
         self.policy_dir = Path(policy_dir)
-        self.pending = None
+        self.handed_over = None
         if self.engine is None:
             self.engine = self._sglang.Engine(
                 model_path=str(self.policy_dir),
@@ -103,23 +105,22 @@ class SGLangEngine:
         if self.resident:
             return
         self.engine.resume_memory_occupation(tags=["weights"])
-        if self.pending is not None:
-            self._push_weights(self.pending)
-            self.pending = None
+        if self.handed_over is not None:
+            self._push_weights(self.handed_over)
         else:
             self._load_weights(self.policy_dir)
         self.engine.resume_memory_occupation(tags=RESIDENT_AFTER_WEIGHTS)
         self.resident = True
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Put an update's weights into the engine: now if its memory is mapped, else at the
-        next resume (a release throws the weights away, so they are kept until then)."""
+        """Put an update's weights into the engine: now if its memory is mapped, and again
+        at every resume until the next ``load`` (a release throws the weights away; loading
+        the policy folder again would roll the engine back to an older policy)."""
         if self.engine is None:
             raise RuntimeError("set_weights() before load(): no engine to put the weights into")
+        self.handed_over = weights
         if self.resident:
             self._push_weights(weights)
-        else:
-            self.pending = weights
 
     def _push_weights(self, weights: dict[str, torch.Tensor]) -> None:
         session = hasattr(self.engine, "begin_weight_update")  # 0.5.21+: updates run in a session
