@@ -49,12 +49,20 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: Dtype = "floa
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.importing-", dir=out_dir.parent))
     try:
+        staging.chmod(0o777 & ~_umask())  # mkdtemp's 0700 would hide the policy from other users
         _write_policy(gguf_path.resolve(), staging, dtype)
         os.rename(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+def _umask() -> int:
+    """The process's file-creation mask (read by setting it, then set back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def gguf_file_problem(path: Path) -> str | None:
@@ -74,17 +82,25 @@ def gguf_file_problem(path: Path) -> str | None:
 def _write_policy(gguf_path: Path, folder: Path, dtype: Dtype) -> None:
     """The tokenizer and the dequantised model of ``gguf_path``, saved into ``folder``."""
     import torch  # noqa: PLC0415  (drmas.model_import stays light until an import runs)
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig  # noqa: PLC0415
 
     source = {"pretrained_model_name_or_path": str(gguf_path.parent), "gguf_file": str(gguf_path)}
     try:
         tokenizer = AutoTokenizer.from_pretrained(**source, trust_remote_code=False)
-        read = AutoModelForCausalLM.from_pretrained(**source, dtype=getattr(torch, dtype), trust_remote_code=False)
+        # dequantize=True: plain float weights. Otherwise transformers keeps them packed and
+        # fetches a matmul kernel (code) from the hub when the `kernels` package is installed.
+        read = AutoModelForCausalLM.from_pretrained(
+            **source,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=getattr(torch, dtype),
+            trust_remote_code=False,
+        )
     except Exception as error:  # a damaged file fails anywhere in the parser (struct, numpy, ...)
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise PolicyError(f"{gguf_path}: transformers cannot read this GGUF model ({reason})") from None
     config = read.config
-    del config.quantization_config  # the weights below are plain floats: no quantizer on load
+    if hasattr(config, "quantization_config"):  # the weights are plain floats: no quantizer on load
+        del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), trust_remote_code=False)
     model.load_state_dict(read.state_dict(), strict=True)
     model.generation_config = read.generation_config
