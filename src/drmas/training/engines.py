@@ -22,6 +22,7 @@ from drmas.training.state import (
     capture_state,
     restore_scheduler,
     restore_state,
+    saved_masters,
     scheduler_state,
     state_mismatch,
 )
@@ -251,6 +252,13 @@ class DeepSpeedEngine:
     the result is the same sum as the torch engine's. The model is loaded whole and
     ``deepspeed.initialize`` partitions it for ZeRO-3 (``zero.Init`` would only spare the
     peak of loading it whole).
+
+    With bf16 DeepSpeed's optimizer steps fp32 master weights and rounds them into the
+    bf16 model after each step: ZeRO-1/2/3 keep them in flat fp32 partitions; ZeRO-0 gets
+    DeepSpeed 0.19.8's ``FP16_UnfusedOptimizer`` (its "DDP_BFLOAT16" path: bf16 gradients
+    on the model), which keeps one fp32 copy per parameter and steps those, so the AdamW's
+    state is keyed by the copies, not by the model's parameters. The masters are saved
+    with the optimizer state, as the torch engine's are.
     """
 
     def __init__(self, model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> None:
@@ -273,6 +281,7 @@ class DeepSpeedEngine:
         self.forward_model: torch.nn.Module = self.engine
         self.world = world
         self.zero_stage = config.train.zero_stage
+        self.bf16: bool = self.engine.bfloat16_enabled()
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(boundary)
@@ -325,9 +334,10 @@ class DeepSpeedEngine:
         """ZeRO-1/2: DeepSpeed's ``offload_states`` (weights, gradients, master weights,
         Adam's moments). ZeRO-3's refuses a client optimizer for the master weights and the
         moments (it asserts FusedAdam): those two move here, the rest with DeepSpeed.
-        ZeRO-0 has no ZeRO optimizer: the module and the AdamW state move as in torch."""
+        ZeRO-0 has no ZeRO optimizer: the module, the bf16 masters and the AdamW state move
+        as in torch."""
         if self.zero_stage == 0:
-            _move_module_and_optimizer(self.model, self.optimizer, torch.device("cpu"))
+            self._move_zero0(torch.device("cpu"))
             return
         from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum  # noqa: PLC0415
 
@@ -346,7 +356,7 @@ class DeepSpeedEngine:
 
     def onload(self) -> None:
         if self.zero_stage == 0:
-            _move_module_and_optimizer(self.model, self.optimizer, self.device)
+            self._move_zero0(self.device)
             return
         self.engine.reload_states()
         zero = self.engine.optimizer
@@ -363,27 +373,33 @@ class DeepSpeedEngine:
                 lazy_init_hp_params_optimizer_state(params, flat, zero.optimizer.state)
 
     def export_state(self) -> TrainState:
-        """ZeRO-1/2/3 keep Adam's moments in flat partitions: gather them per parameter (a
-        collective: every rank calls this), so the saved state has one layout whatever the
-        stage and the number of ranks."""
+        """ZeRO-1/2/3 keep Adam's moments (and with bf16 the fp32 master weights) in flat
+        partitions: gather them per parameter (a collective: every rank calls this), so the
+        saved state has one layout whatever the stage and the number of ranks."""
         if self.zero_stage == 0:
-            return capture_state(self.model, self.optimizer, self.scheduler)
-        from deepspeed.utils import safe_get_full_optimizer_state  # noqa: PLC0415
+            return capture_state(self.model, self.optimizer, self.scheduler, self._zero0_masters())
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: PLC0415
 
         tensors: dict[str, torch.Tensor] = {"rng/torch": torch.get_rng_state()}
         trainable = _trainable(self.model)
         for name, param in trainable.items():
             for key in ("exp_avg", "exp_avg_sq"):
                 tensors[f"optim/{name}/{key}"] = safe_get_full_optimizer_state(param, key).detach().cpu().contiguous()
+            if self.bf16:
+                tensors[f"master/{name}"] = safe_get_full_fp32_param(param).detach().cpu().contiguous()
         step = self._base_step()
         meta = {"scheduler": scheduler_state(self.scheduler), "steps": dict.fromkeys(trainable, step)}
         return TrainState(tensors, meta)
 
     def import_state(self, state: TrainState) -> None:
+        """The moments, steps, scheduler and RNG; with bf16 the saved fp32 masters too, then
+        rounded into the bf16 weights as DeepSpeed's step does (a state without masters
+        keeps the masters DeepSpeed made from the bf16 weights)."""
         if self.zero_stage == 0:
-            restore_state(state, self.model, self.optimizer, self.scheduler)
+            if restore_state(state, self.model, self.optimizer, self.scheduler, self._zero0_masters()):
+                self._weights_from_masters()
             return
-        from deepspeed.utils import safe_set_full_optimizer_state  # noqa: PLC0415
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state  # noqa: PLC0415
 
         trainable = _trainable(self.model)
         shapes = {name: full_shape(param) for name, param in trainable.items()}
@@ -407,8 +423,50 @@ class DeepSpeedEngine:
         step = next(iter(state.meta["steps"].values()), 0.0)
         for slot in base.state.values():
             slot["step"] = torch.tensor(step)
+        masters = saved_masters(state, trainable) if self.bf16 else None
+        if masters is not None:
+            for name, param in trainable.items():
+                safe_set_full_fp32_param(param, masters[name])  # this rank's partition of it
+            self._weights_from_masters()
         restore_scheduler(self.scheduler, self.engine.optimizer, state.meta)
         torch.set_rng_state(state.tensors["rng/torch"])
+
+    def _zero0_masters(self) -> dict[str, torch.Tensor] | None:
+        """ZeRO-0 with bf16: the fp32 copy that DeepSpeed's ``FP16_UnfusedOptimizer`` keeps
+        and steps for each trainable parameter, by name. None in fp32 (the AdamW steps the
+        parameters themselves)."""
+        if not self.bf16:
+            return None
+        wrapper = self.engine.optimizer
+        copies = {
+            id(param): master
+            for params, masters in zip(wrapper.fp16_groups, wrapper.fp32_groups, strict=True)
+            for param, master in zip(params, masters, strict=True)
+        }
+        return {name: copies[id(param)] for name, param in _trainable(self.model).items()}
+
+    def _weights_from_masters(self) -> None:
+        """Round the masters into the bf16 weights as DeepSpeed's step does. ZeRO-1/2: its
+        ``update_lp_params`` (this rank's partition, then an all-gather). ZeRO-3: the copy
+        of each fp32 partition into the bf16 one that ends its step; an engine fresh from
+        ``deepspeed.initialize`` (the update stage builds one for every import) has gathered
+        no parameter yet, so the next forward gathers them all from the new partitions."""
+        zero = self.engine.optimizer
+        if self.zero_stage == 0:
+            with torch.no_grad():
+                for params, masters in zip(zero.fp16_groups, zero.fp32_groups, strict=True):
+                    for param, master in zip(params, masters, strict=True):
+                        param.copy_(master)
+        elif self.zero_stage < 3:
+            zero.update_lp_params()
+        else:
+            for sub_group in range(len(zero.fp16_groups)):
+                zero._reassign_or_swap_out_partitioned_parameters(sub_group)
+
+    def _move_zero0(self, device: torch.device) -> None:
+        _move_module_and_optimizer(self.model, self.optimizer, device)
+        for master in (self._zero0_masters() or {}).values():
+            master.data = master.data.to(device)
 
     def _flat_partitions(self) -> list[torch.Tensor]:
         """This rank's fp32 partitions, which the torch AdamW steps and keys its state by

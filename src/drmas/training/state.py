@@ -5,6 +5,8 @@ another model."""
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,9 +20,12 @@ __all__ = [
     "restore_scheduler",
     "restore_state",
     "save_state",
+    "saved_masters",
     "scheduler_state",
     "state_mismatch",
 ]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,16 +81,17 @@ def restore_state(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     masters: dict[str, torch.Tensor] | None = None,
-) -> None:
+) -> bool:
     """Load ``state`` into the optimizer (and its saved masters into ``masters``); a state
     of another model (parameters this model does not have, or shapes other than its own)
-    is refused before anything is applied."""
+    is refused before anything is applied. Returns whether masters were restored."""
     params = masters or dict(model.named_parameters())
     if problem := state_mismatch(state, {name: param.shape for name, param in params.items()}):
         raise ValueError(problem)
+    saved = saved_masters(state, params) if masters else None
     for name, param in params.items():
-        if f"master/{name}" in state.tensors:
-            param.data.copy_(state.tensors[f"master/{name}"])
+        if saved is not None and name in saved:
+            param.data.copy_(saved[name])
         if name not in state.meta["steps"]:
             continue
         slot = optimizer.state[param]
@@ -94,6 +100,23 @@ def restore_state(
             slot[key] = state.tensors[f"optim/{name}/{key}"].to(param.device, copy=True)
     restore_scheduler(scheduler, optimizer, state.meta)
     torch.set_rng_state(state.tensors["rng/torch"])
+    return saved is not None
+
+
+def saved_masters(state: TrainState, names: Iterable[str]) -> dict[str, torch.Tensor] | None:
+    """The fp32 master weights ``state`` holds for these parameters (``state_mismatch``
+    has checked that it holds one for each parameter it has moments for, or none), or
+    None, said once in the log: a state saved by an fp32 run or before masters were
+    saved; the masters then start from the bf16 weights, losing what the rounding hid."""
+    saved = {name: state.tensors[f"master/{name}"] for name in names if f"master/{name}" in state.tensors}
+    if saved:
+        return saved
+    log.warning(
+        "the optimizer state holds no fp32 master weights (saved by an fp32 run or an older drmas): "
+        "the masters start from the bf16 weights, and updates below bf16 resolution since they last "
+        "showed in them are lost"
+    )
+    return None
 
 
 def state_mismatch(state: TrainState, shapes: dict[str, torch.Size]) -> str | None:
@@ -110,6 +133,13 @@ def state_mismatch(state: TrainState, shapes: dict[str, torch.Size]) -> str | No
             if saved is None or saved.shape != shapes[name]:
                 found = "missing" if saved is None else f"of shape {tuple(saved.shape)}"
                 return f"the state for {name}.{key} is {found}, but the parameter has shape {tuple(shapes[name])}"
+    masters = {key.removeprefix("master/"): value for key, value in state.tensors.items() if key.startswith("master/")}
+    for name in sorted(set(masters) | set(state.meta["steps"])) if masters else ():
+        if name not in shapes:
+            return f"it holds a master weight for {name!r}, which this model does not have: the state of another model"
+        if name not in masters or masters[name].shape != shapes[name]:
+            found = "missing" if name not in masters else f"of shape {tuple(masters[name].shape)}"
+            return f"the master weight of {name} is {found}, but the parameter has shape {tuple(shapes[name])}"
     return None
 
 
