@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "registry": {"config", "tasks"},
     "infra": {"config", "infra"},
     "models": {"config"},
-    "model_import": {"config"},  # `drmas import-gguf`: a GGUF file -> a policy folder
+    "model_import": {"config", "models"},  # `drmas import-gguf`: a GGUF file -> a policy folder
     "team": {"config", "infra", "team"},
     "tasks": {"config", "infra", "team", "registry", "tasks"},
     "training": {"algos", "config", "training"},

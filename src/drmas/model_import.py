@@ -80,29 +80,10 @@ def gguf_file_problem(path: Path) -> str | None:
 
 
 def _write_policy(gguf_path: Path, folder: Path, dtype: Dtype) -> None:
-    """The tokenizer and the dequantised model of ``gguf_path``, saved into ``folder``."""
-    import torch  # noqa: PLC0415  (drmas.model_import stays light until an import runs)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig  # noqa: PLC0415
+    """The tokenizer and the dequantised model of ``gguf_path``, saved into ``folder``;
+    read through drmas's weight gate (``drmas.models``), as every weight load is."""
+    from drmas.models import read_gguf  # noqa: PLC0415  (drmas.model_import stays light until an import runs)
 
-    source = {"pretrained_model_name_or_path": str(gguf_path.parent), "gguf_file": str(gguf_path)}
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(**source, trust_remote_code=False)
-        # dequantize=True: plain float weights. Otherwise transformers keeps them packed and
-        # fetches a matmul kernel (code) from the hub when the `kernels` package is installed.
-        read = AutoModelForCausalLM.from_pretrained(
-            **source,
-            quantization_config=GgufConfig(dequantize=True),
-            dtype=getattr(torch, dtype),
-            trust_remote_code=False,
-        )
-    except Exception as error:  # a damaged file fails anywhere in the parser (struct, numpy, ...)
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise PolicyError(f"{gguf_path}: transformers cannot read this GGUF model ({reason})") from None
-    config = read.config
-    if hasattr(config, "quantization_config"):  # the weights are plain floats: no quantizer on load
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), trust_remote_code=False)
-    model.load_state_dict(read.state_dict(), strict=True)
-    model.generation_config = read.generation_config
+    model, tokenizer = read_gguf(gguf_path, dtype)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)

@@ -29,6 +29,7 @@ from transformers import PreTrainedTokenizerBase as Tokenizer
 from drmas.config import ModelSpec, PolicyError, TemplateVariables, weights_problem
 
 __all__ = [
+    "read_gguf",
     "PolicyError",
     "build_scratch_policy",
     "chat_prompt",
@@ -156,6 +157,35 @@ HUB_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktok
 """What drmas takes of a hub repository: the configs (and the shard index), safetensors
 weights, tokenizer files (vocab, merges, sentencepiece or tiktoken models) and the chat
 template; never pickled weights or code."""
+
+
+def read_gguf(gguf_path: Path, dtype: str = "float32") -> tuple[PreTrainedModel, Tokenizer]:
+    """The model and tokenizer of a GGUF file (llama.cpp's format: typed header fields and
+    raw tensors, nothing executed), the weights dequantised into a plain float model built
+    from the file's config without its ``quantization_config``, so that it trains and saves
+    like any other. Without ``dequantize=True`` transformers would keep the weights packed
+    and, with the ``kernels`` package installed, fetch a matmul kernel (code) from the hub.
+    Raises :class:`PolicyError` naming the file when transformers cannot read it."""
+    from transformers import GgufConfig  # noqa: PLC0415
+
+    source = {"pretrained_model_name_or_path": str(gguf_path.parent), "gguf_file": str(gguf_path)}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(**source, trust_remote_code=False)
+        read = AutoModelForCausalLM.from_pretrained(
+            **source,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=getattr(torch, dtype),
+            trust_remote_code=False,
+        )
+    except Exception as error:  # a damaged file fails anywhere in the parser (struct, numpy, ...)
+        raise PolicyError(f"{gguf_path}: transformers cannot read this GGUF model ({_first_line(error)})") from None
+    config = read.config
+    if hasattr(config, "quantization_config"):  # the weights are plain floats: no quantizer on load
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), trust_remote_code=False)
+    model.load_state_dict(read.state_dict(), strict=True)
+    model.generation_config = read.generation_config
+    return model, tokenizer
 
 
 def pretrained_folder(source: str | Path, revision: str | None = None) -> Path:
