@@ -28,9 +28,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_update import ROOT
 
-pytestmark = pytest.mark.slow
+from drmas.training.state import TrainState, saved_masters, state_mismatch
 
 N, M = 3, 2
 
@@ -174,6 +175,7 @@ def assert_resumes_exactly(report: dict[str, dict]) -> None:
         assert row["without_masters_unequal_weights"], case
 
 
+@pytest.mark.slow
 def test_one_rank_resumes_from_the_masters_at_every_zero_stage(tmp_path):
     """ZeRO-0 (DeepSpeed's unfused optimizer keeps one fp32 copy per parameter), ZeRO-1
     (flat fp32 partitions, as ZeRO-2's: that one runs on two ranks below) and ZeRO-3; fp32
@@ -185,9 +187,43 @@ def test_one_rank_resumes_from_the_masters_at_every_zero_stage(tmp_path):
     assert log.count("holds no fp32 master weights") == 3  # once per import of such a state
 
 
+@pytest.mark.slow
 def test_two_ranks_resume_from_partitioned_masters(tmp_path):
     """ZeRO-2 and ZeRO-3 (small parameters kept whole, as DeepSpeed does by default, or
     every one partitioned) across two ranks: the masters are gathered for saving and each
     rank takes its partition back."""
     report, _ = run_script(tmp_path, ["2", "3", "3-partitioned"], ranks=2)
     assert_resumes_exactly(report)
+
+
+def _state(**masters: torch.Tensor) -> TrainState:
+    """The state of parameters a (2,) and b (3,) after a step, with these masters."""
+    moments = {
+        f"optim/{n}/{key}": torch.zeros(size) for n, size in (("a", 2), ("b", 3)) for key in ("exp_avg", "exp_avg_sq")
+    }
+    tensors = {"rng/torch": torch.get_rng_state(), **moments, **{f"master/{n}": t for n, t in masters.items()}}
+    return TrainState(tensors, {"scheduler": {}, "steps": {"a": 1.0, "b": 1.0}})
+
+
+def test_masters_are_all_there_or_none_and_none_is_said(caplog):
+    """A state holds a master for every parameter it has moments for (it is refused, naming
+    the parameter, when one is missing, of another shape or of a parameter the model lacks)
+    or none at all: an fp32 run's or an older drmas's, loaded with one warning."""
+    shapes = {"a": torch.Size([2]), "b": torch.Size([3])}
+    whole = _state(a=torch.ones(2), b=torch.ones(3))
+    assert state_mismatch(whole, shapes) is None and state_mismatch(_state(), shapes) is None
+    assert state_mismatch(_state(a=torch.ones(2)), shapes) == (
+        "the master weight of b is missing, but the parameter has shape (3,)"
+    )
+    assert state_mismatch(_state(a=torch.ones(2), b=torch.ones(4)), shapes) == (
+        "the master weight of b is of shape (4,), but the parameter has shape (3,)"
+    )
+    foreign = _state(a=torch.ones(2), b=torch.ones(3), c=torch.ones(1))
+    assert "master weight for 'c', which this model does not have" in state_mismatch(foreign, shapes)
+    with caplog.at_level("WARNING", logger="drmas.training.state"):
+        assert saved_masters(whole, shapes) == {"a": whole.tensors["master/a"], "b": whole.tensors["master/b"]}
+        assert caplog.records == []
+        assert saved_masters(_state(), shapes) is None
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "the optimizer state holds no fp32 master weights (saved by an fp32 run or an older drmas)"
+    ]
