@@ -233,8 +233,10 @@ class ModelSpec(Section):
     """Scratch models: tokenizer vocabulary size."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype for training and rollout. bfloat16 trains in mixed precision: bf16
-    compute, fp32 master weights, gradient accumulation and optimizer state (torch and
-    DeepSpeed alike); the stored and rolled-out policy is bf16."""
+    compute, fp32 master weights and optimizer state (both engines, saved with the
+    optimizer state so a resume continues from them); gradients accumulate in fp32 on the
+    torch engine and in bf16 under DeepSpeed (as DeepSpeed does by default). The stored and
+    rolled-out policy is bf16."""
     lora: LoraSpec | None = None
     """Train LoRA adapters instead of every weight (see LoraSpec). Unset: full fine-tuning."""
     chat_template_kwargs: TemplateVariables = {}
