@@ -220,6 +220,10 @@ CI_SETTINGS = (
 """Small enough for CI on two cores; the rollout still holds a well-formed Solver answer
 beside malformed ones (seed 0), so the format penalty leaves a gradient."""
 VARIANTS = {"full": (), "lora": ("models.smollm2.lora.rank=8", "train.lr=1e-4")}
+EVALUATED = "lora"
+"""The variant ``drmas eval`` evaluates: LoRA's policy is the one that needs merging before
+the engine takes it (the full one is a plain policy, as `drmas eval` of the tiny runs is
+tested in test_cli.py); one evaluation keeps the file's CI time down."""
 WG = "solver-verifier"
 METRIC_LINE = re.compile(r"^(eval/\S+) (\S+)$", re.MULTILINE)
 CHAT = [{"role": "user", "content": "Tom has 3 apples and buys 5 more. How many apples does Tom have?"}]
@@ -237,7 +241,7 @@ def smollm2_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class TrainedRun:
     variant: str
     run: Path  # the run's folder in the store
-    eval_output: str  # what `drmas eval` printed
+    eval_output: str  # what `drmas eval` printed (the EVALUATED variant), else `drmas run`
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -256,7 +260,7 @@ def trained(request: pytest.FixtureRequest, smollm2_policy: Path, tmp_path_facto
     env = os.environ | {"HF_HUB_OFFLINE": "1", "RAY_TMPDIR": str(ray_dir)}
     drmas_command = [str(Path(sys.executable).parent / "drmas")]
     outputs = []
-    for verb in ("run", "eval"):
+    for verb in ("run", "eval") if request.param == EVALUATED else ("run",):
         done = subprocess.run(
             [*drmas_command, verb, str(CONFIG), *settings, "--run-id", "t"],
             cwd=folder,
@@ -267,7 +271,7 @@ def trained(request: pytest.FixtureRequest, smollm2_policy: Path, tmp_path_facto
         )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         outputs.append(done.stdout)
-    yield TrainedRun(request.param, folder / "runs" / "math-smollm2" / "t", outputs[1])
+    yield TrainedRun(request.param, folder / "runs" / "math-smollm2" / "t", outputs[-1])
     shutil.rmtree(ray_dir, ignore_errors=True)
 
 
@@ -316,6 +320,7 @@ def test_the_rollout_has_both_roles_rewards_in_range_and_well_formed_answers(tra
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("trained", [EVALUATED], indirect=True)
 def test_drmas_eval_reports_the_trained_policy(trained):
     """It evaluates the last checkpoint (iteration 0) and prints its metrics, one a line."""
     assert re.search(r"/math-smollm2/t/iter-000000/evaluate-\S+\n", trained.eval_output), trained.eval_output
