@@ -592,7 +592,7 @@ def test_kfp_local_runs_every_stage_then_recomputes_only_the_forced_one(tmp_path
 
 @dataclass
 class TrackedRuns:
-    """The same 3-iteration config run with kfp.local and embedded, tracked by one server."""
+    """The same 2-iteration config run with kfp.local and embedded, tracked by one server."""
 
     folder: Path
     output: str
@@ -606,8 +606,8 @@ def tracked_runs(tmp_path_factory: pytest.TempPathFactory, mlflow_service: Mlflo
     folder = tmp_path_factory.mktemp("tracked")
     settings = [
         *TINY_OVERRIDES,
-        "experiment.iterations=3",
-        "eval.every=2",
+        "experiment.iterations=2",
+        "eval.every=1",
         "eval.max_questions=2",
         "eval.k=2",
         "warmstart.steps=0",
@@ -628,19 +628,19 @@ TRACKED_EXPERIMENT = "kfp-and-embedded"
 
 
 @pytest.mark.slow
-def test_a_three_iteration_kfp_local_run_starts_its_pool_once(tracked_runs: TrackedRuns):
-    """`drmas run --via kfp-local` of the train pipeline over 3 iterations: the first task
+def test_a_kfp_local_train_run_starts_its_pool_once(tracked_runs: TrackedRuns):
+    """`drmas run --via kfp-local` of the train pipeline over 2 iterations: the first task
     that needs the pool starts its workers (one per worker group and slot), and every later
     one (the rollouts, the updates and the evaluations of every iteration, each a process
     of its own) finds them warm; none starts another."""
     pools = re.findall(
         r"drmas: pool (started|found warm): (\d+) worker\(s\) on 1 slot\(s\), (\d+) started", tracked_runs.output
     )
-    # 3 rollouts, 6 updates, 3 evaluations (before training, after iterations 1 and 2)
-    assert [found for found, _, _ in pools] == ["started", *["found warm"] * (3 + 6 + 3 - 1)]
+    # 2 rollouts, 4 updates, 3 evaluations (before training, after iterations 0 and 1)
+    assert [found for found, _, _ in pools] == ["started", *["found warm"] * (2 + 4 + 3 - 1)]
     assert {int(workers) for _, workers, _ in pools} == {2}
     assert sum(int(started) for _, _, started in pools) == 2
-    assert (tracked_runs.folder / "kfp" / "runs" / "math-tiny" / "kfp" / "iter-000002" / "checkpoint").is_dir()
+    assert (tracked_runs.folder / "kfp" / "runs" / "math-tiny" / "kfp" / "iter-000001" / "checkpoint").is_dir()
 
 
 @pytest.mark.slow
@@ -672,7 +672,7 @@ def test_a_kfp_local_run_is_one_mlflow_run_like_an_embedded_one(tracked_runs: Tr
 
     kfp_steps, embedded_steps = steps(kfp), steps(embedded)
     assert kfp_steps == embedded_steps
-    assert kfp_steps["reward/mean"] == [1, 2, 3] and kfp_steps["eval/avg_at_2"] == [0, 2, 3]
+    assert kfp_steps["reward/mean"] == [1, 2] and kfp_steps["eval/avg_at_2"] == [0, 1, 2]
     assert len(kfp_steps) > 30  # rewards, advantages, worker-group statistics, times, evaluation
 
     def tags(run, prefix: str) -> set[str]:
@@ -688,9 +688,9 @@ def test_a_kfp_local_run_is_one_mlflow_run_like_an_embedded_one(tracked_runs: Tr
             p.replace(embedded.info.run_id, kfp.info.run_id) for p in artifacts(embedded, folder)
         ]
     assert "report/reward.png" in artifacts(kfp, "report")
-    assert len(artifacts(kfp, "episodes")) == 3
+    assert len(artifacts(kfp, "episodes")) == 2
     datasets = {run_id: sorted(d.dataset.name for d in runs[run_id].inputs.dataset_inputs) for run_id in runs}
-    assert datasets["kfp"] == datasets["embedded"] and "trajectories-iter-000002" in datasets["kfp"]
+    assert datasets["kfp"] == datasets["embedded"] and "trajectories-iter-000001" in datasets["kfp"]
     for run in (kfp, embedded):
         versions = client.search_model_versions(f"run_id='{run.info.run_id}'")
         assert sorted(v.name for v in versions) == [f"{TRACKED_EXPERIMENT}-solver", f"{TRACKED_EXPERIMENT}-verifier"]
@@ -707,16 +707,16 @@ def test_a_kfp_local_run_is_one_mlflow_run_like_an_embedded_one(tracked_runs: Tr
         for step in ("track-start", "track-end")
     }
     assert all(link in page for page in pages.values())
-    assert "| before |" in pages["track-end"] and "| 2 |" in pages["track-end"]
+    assert "| before |" in pages["track-end"] and "| 1 |" in pages["track-end"]
 
     console = tracked_runs.output.split(LOG_MARK)[0]
     assert "config_json" not in console and "executor" not in console.lower()
     task_lines = re.findall(r"^task ([\w.-]+): executed", console, re.M)
     # the warm start; rollouts, advantages, updates, checkpoints; 3 evaluations; tracking: start,
-    # before training, 3 iterations, end
-    assert len(task_lines) == 1 + 3 + 3 + 6 + 3 + 3 + 6
+    # before training, 2 iterations, end
+    assert len(task_lines) == 1 + 2 + 2 + 4 + 2 + 3 + 5
     assert len(console.splitlines()) < len(task_lines) + 20
-    for line in ("iter 0: reward", "iter 2: reward", "eval avg@2", "report: ", "mlflow: ", "checkpoint: "):
+    for line in ("iter 0: reward", "iter 1: reward", "eval avg@2", "report: ", "mlflow: ", "checkpoint: "):
         assert line in console, line
 
 

@@ -49,6 +49,7 @@ from typing import Any
 
 from drmas.config import DrmasConfig, SamplingConfig
 from drmas.generation.workers import GenerationResult, PolicyNotLoaded, PolicyRef, WorkerGroupRuntime
+from drmas.infra.cpus import cpu_threads
 from drmas.infra.store import Store
 
 __all__ = [
@@ -262,7 +263,7 @@ class RayPool:
         self.formed: set[str] = set()
         self.groups = {group.name: group for group in config.worker_groups()}
         self.slots = {wg: config.slots_of(wg) for wg in self.groups}
-        self.threads = threads or os.cpu_count() or 1
+        self.threads = threads or cpu_threads()
         self.placement = self._placement()
         self.workers = {wg: [self._worker(wg, slot) for slot in self.slots[wg]] for wg in self.groups}
         self._adopt_warm_state()

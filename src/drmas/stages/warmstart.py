@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import multiprocessing
-import os
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -34,6 +33,7 @@ from tqdm.auto import tqdm
 
 from drmas.config import DrmasConfig
 from drmas.generation.workers import PolicyRef, truncate_prompt
+from drmas.infra.cpus import cpu_threads
 from drmas.infra.layout import run_path
 from drmas.infra.store import Store
 from drmas.models import chat_prompt, load_model, load_tokenizer
@@ -87,7 +87,7 @@ a few steps of a small model's training; a smoke run or a test would mostly wait
 
 def _thread_share(groups: int) -> int:
     """Each group's share of the cores when the groups train at the same time."""
-    return max(1, (os.cpu_count() or 1) // groups)
+    return max(1, cpu_threads() // groups)
 
 
 def _warm_in_turn(todo: list[tuple], threads: int) -> None:
