@@ -8,10 +8,10 @@ DEPS_KEY := $(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.installed-$(DEPS_KEY)
 PIP := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
 PYTEST_ARGS ?=
-# `make test` runs the suite on this many pytest-xdist workers, a test file per worker at a
-# time (files share expensive fixtures), each torch process on one thread: two workers on
-# two cores take ~0.7 of the time one does; more threads per process on shared cores are
-# several times slower, not faster.
+# `make test` runs the suite on this many pytest-xdist workers, each torch process on one
+# thread (more threads per process on shared cores are several times slower, not faster).
+# A test file runs whole on one worker (its module fixtures are built once), the longest
+# files first (tests/conftest.py).
 PYTEST_WORKERS ?= 2
 # DeepSpeed compiles a small op on first use: keep it in the project's cache.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
@@ -38,7 +38,7 @@ run: $(STAMP)
 
 # The whole suite (slow end-to-end tests included), after lint.
 test: lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Everything but the tests marked slow: a few minutes, for the edit-test loop.
 test-fast: $(STAMP)

@@ -189,3 +189,24 @@ def test_warm_start_trains_each_worker_group_reproducibly(tmp_path, monkeypatch)
             ).read_bytes("model.safetensors")
         weights.append({wg: store.open(ref.artifact).read_bytes("model.safetensors") for wg, ref in warmed.items()})
     assert weights[0] == weights[1]
+
+
+@pytest.mark.parametrize(
+    ("omp_num_threads", "expected"),
+    [("3", 3), ("1", 1), (None, "cores"), ("", "cores"), ("0", "cores"), ("four", "cores"), ("-2", "cores")],
+)
+def test_the_cpu_threads_are_omp_num_threads_when_it_is_a_positive_number(omp_num_threads, expected, monkeypatch):
+    """A test runner or a second job on the machine sets OMP_NUM_THREADS; anything else
+    there (unset, empty, zero, not a number) means every core."""
+    import os
+
+    from drmas.infra.cpus import cpu_threads
+    from drmas.stages import warmstart as W
+
+    if omp_num_threads is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp_num_threads)
+    threads = os.cpu_count() if expected == "cores" else expected
+    assert cpu_threads() == threads
+    assert W._thread_share(2) == max(1, threads // 2)  # each of two groups warm-starting at once
