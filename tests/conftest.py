@@ -92,6 +92,23 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory):
         ray.shutdown()
 
 
+@pytest.fixture
+def warm_start_prompts(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The prompt token ids of every row the warm start trains on in this process, in order,
+    recorded as its batches are collated (the test may clear the list between runs)."""
+    from drmas.stages import warmstart
+
+    recorded: list[list[int]] = []
+    real_collate = warmstart.collate
+
+    def recording_collate(rows, pad_id):
+        recorded.extend(row["prompt_ids"] for row in rows)
+        return real_collate(rows, pad_id)
+
+    monkeypatch.setattr(warmstart, "collate", recording_collate)
+    return recorded
+
+
 TRAINED_RUN = "secret-scan-run"
 TRAINED_SETTINGS = [*TINY_OVERRIDES, "eval.every=0"]
 """The run id and the settings of ``trained_run`` (a resume of it must repeat them)."""

@@ -1,12 +1,17 @@
-"""Builders of small, valid test data."""
+"""Builders of small, valid test data, and the ways tests start drmas and torch processes."""
 
 from __future__ import annotations
 
+import os
+import socket
+import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
+from drmas.cli import main
 from drmas.config import DrmasConfig, load_config
 from drmas.infra.layout import stage_path
 from drmas.infra.schema import TRAJECTORY_SCHEMA
@@ -74,3 +79,33 @@ def stored_rollout(tmp_path: Path, rows: int = 12, run_id: str = "r") -> tuple[D
         out.write_table("trajectories.parquet", trajectory_table(rows), TRAJECTORY_SCHEMA)
         out.write_json("metrics.json", {})
     return config, store, source
+
+
+def drmas(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``drmas ARGS`` in this process, as the console script runs it: its exit status,
+    stdout and stderr, whether it returns or exits."""
+    try:
+        status = main(list(args))
+    except SystemExit as exit_:
+        status = exit_.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def torch_launcher(ranks: int) -> list[str]:
+    """The command that starts a script on ``ranks`` processes: Python itself for one,
+    torchrun on a free loopback port for more (torchrun hangs with --master_port=0)."""
+    if ranks == 1:
+        return [sys.executable]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    return [torchrun, f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+
+
+def torch_env(threads: int | None = 1) -> dict[str, str]:
+    """The environment of a training subprocess: DeepSpeed's compiled ops in the project's
+    cache (built once), and ``threads`` torch threads per process (None: torch's default)."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions")}
+    return env | {"OMP_NUM_THREADS": str(threads)} if threads else env

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from helpers import drmas
 
 from drmas import __version__
-from drmas.cli import main
 from drmas.config import load_config
 from drmas.infra.store import Store
 from drmas.runner import open_run
@@ -20,16 +20,6 @@ from drmas.runner import open_run
 ROOT = Path(__file__).resolve().parents[1]
 MATH = str(ROOT / "configs" / "math_tiny.yaml")
 COMMANDS = ("config", "run", "eval", "rerun", "compare", "compile", "submit")
-
-
-def drmas(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """``drmas ARGS``: its exit status, stdout and stderr, whether it returns or exits."""
-    try:
-        status = main(list(args))
-    except SystemExit as exit_:
-        status = exit_.code
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 # --------------------------------------------------------------------------------------

@@ -21,15 +21,12 @@ with 0 (every parameter partitioned across the ranks).
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_update import ROOT
+from helpers import torch_env, torch_launcher
 
 from drmas.training.state import TrainState, saved_masters, state_mismatch
 
@@ -140,20 +137,10 @@ def run_script(tmp_path: Path, cases: list[str], ranks: int) -> tuple[dict[str, 
     """SCRIPT over ``cases`` on ``ranks`` processes: rank 0's report, and the log."""
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
-    launcher = [sys.executable]
-    if ranks > 1:
-        with socket.socket() as probe:  # torchrun hangs with --master_port=0: give it a free port
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        launcher = [
-            str(Path(sys.executable).parent / "torchrun"),
-            f"--nproc_per_node={ranks}",
-            "--master_addr=127.0.0.1",
-            f"--master_port={port}",
-        ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions")}
     args = [str(Path(__file__).parent), str(N), str(M), ",".join(cases), str(tmp_path)]
-    done = subprocess.run([*launcher, str(script), *args], capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(
+        [*torch_launcher(ranks), str(script), *args], capture_output=True, text=True, env=torch_env(), timeout=600
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.split("REPORT ")[-1].splitlines()[0])
     assert sorted(report) == sorted(cases)

@@ -15,13 +15,13 @@ nccl; ``bench/gpu_smoke.py`` runs that.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import torch_env
 from standin_device import STANDIN, StandInDevice
 from test_update import WG, make_run
 
@@ -134,13 +134,12 @@ def test_deepspeed_puts_the_update_on_its_device(tmp_path, stage):
     """DeepSpeed (ZeRO-0 and ZeRO-3, in a process of its own: it keeps a process group)
     puts the module on its accelerator's device, which the engine reports and the update
     uses, also for the reference model and the per-agent diagnostic's buffer."""
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions")}
     overrides = ["train.backend=deepspeed", f"train.zero_stage={stage}"]
     done = subprocess.run(
         [sys.executable, "-c", DEEPSPEED_CASE, str(Path(__file__).parent), str(tmp_path), *overrides],
         capture_output=True,
         text=True,
-        env=env,
+        env=torch_env(threads=None),
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -13,10 +13,7 @@ untested.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +21,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 import torch
+from helpers import torch_env, torch_launcher
 from safetensors.torch import load_file
-from test_update import ROOT, WG, make_run
+from test_update import WG, make_run
 
 from drmas.stages.advantage import advantage
 
@@ -117,20 +115,12 @@ def run_cases(tmp_path: Path, cases: list[dict[str, str]], ranks: int) -> Path:
     listing.write_text(json.dumps(cases))
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
-    launcher = [sys.executable]
-    if ranks > 1:
-        with socket.socket() as probe:  # torchrun hangs with --master_port=0: give it a free port
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        launcher = [
-            str(Path(sys.executable).parent / "torchrun"),
-            f"--nproc_per_node={ranks}",
-            "--master_addr=127.0.0.1",
-            f"--master_port={port}",
-        ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions")}
     done = subprocess.run(
-        [*launcher, str(script), str(listing), str(out)], capture_output=True, text=True, env=env, timeout=900
+        [*torch_launcher(ranks), str(script), str(listing), str(out)],
+        capture_output=True,
+        text=True,
+        env=torch_env(),
+        timeout=900,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return out

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import torch_env
 from safetensors.torch import load_file
 from test_update import WG, make_run
 
@@ -205,16 +206,14 @@ print("GAP", max(gaps.values()))
 def test_deepspeed_trains_lora_as_torch_does(tmp_path):
     """DeepSpeed ZeRO-0 and ZeRO-2 (gloo, CPU), also with activation checkpointing, train
     the same adapter as the torch engine, with the KL term to the adapter-less base."""
-    import os
     import subprocess
     import sys
 
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions")}
     done = subprocess.run(
         [sys.executable, "-c", DEEPSPEED_LORA, str(Path(__file__).parent), str(tmp_path)],
         capture_output=True,
         text=True,
-        env=env,
+        env=torch_env(threads=None),
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]

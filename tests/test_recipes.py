@@ -295,7 +295,7 @@ def test_worker_passes_its_models_template_variables(variables, no_think, no_thi
     assert prompt.endswith("What is 1 + 1?<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_warm_start_passes_the_worker_groups_template_variables(no_think_policy, tmp_path, monkeypatch):
+def test_warm_start_passes_the_worker_groups_template_variables(no_think_policy, tmp_path, warm_start_prompts):
     """Only the Solver's model asks for no thinking: the Solver's warm start renders its
     demonstrations with the variable, the Verifier's (another model) without it."""
     config = load_config(
@@ -308,14 +308,7 @@ def test_warm_start_passes_the_worker_groups_template_variables(no_think_policy,
             "warmstart.batch_size=2",
         ],
     )
-    rendered: list[list[int]] = []
-    real_collate = warmstart.collate
-
-    def recording_collate(rows, pad_id):
-        rendered.extend(row["prompt_ids"] for row in rows)
-        return real_collate(rows, pad_id)
-
-    monkeypatch.setattr(warmstart, "collate", recording_collate)
+    rendered = warm_start_prompts
     tokenizer = load_tokenizer(no_think_policy)
     pairs = [("What is 1 + 1?", "\\boxed{2}")]
     for label, no_think in (("solver", True), ("verifier", False)):

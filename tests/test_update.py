@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from helpers import torch_env, torch_launcher
 from safetensors.torch import load_file
 
 from drmas.algos import compute_advantages
@@ -404,7 +404,6 @@ def _update_in_subprocess(tmp_path: Path, name: str, launcher: list[str], *overr
     advantage(config, store, "run", 0)
     config_file = tmp_path / name / "config.json"
     config_file.write_text(config.model_copy(update={"store": store.settings()}).to_json())
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions")}
     command = [
         *launcher,
         "-m",
@@ -420,7 +419,7 @@ def _update_in_subprocess(tmp_path: Path, name: str, launcher: list[str], *overr
         "--policy",
         policy.artifact,
     ]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(command, capture_output=True, text=True, env=torch_env(), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["metrics"][f"wg/{WG}/skipped"] == 0
@@ -429,18 +428,9 @@ def _update_in_subprocess(tmp_path: Path, name: str, launcher: list[str], *overr
 
 @pytest.mark.slow
 def test_two_processes_give_the_same_update_as_one(tmp_path):
-    torchrun = str(Path(sys.executable).parent / "torchrun")
     overrides = ["train.micro_batch_size=2", "train.updates_per_iteration=2"]
-    one = _update_in_subprocess(tmp_path, "one", [sys.executable], *overrides)
-    with socket.socket() as probe:  # torchrun hangs with --master_port=0: give it a free port
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    two = _update_in_subprocess(
-        tmp_path,
-        "two",
-        [torchrun, "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}"],
-        *overrides,
-    )
+    one = _update_in_subprocess(tmp_path, "one", torch_launcher(1), *overrides)
+    two = _update_in_subprocess(tmp_path, "two", torch_launcher(2), *overrides)
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-4)
 
@@ -511,12 +501,11 @@ def test_deepspeed_zero_stages_save_and_resume_alike(tmp_path):
     the optimizer offloaded to host memory, end where ZeRO-0 does; so do two updates in a
     pool worker that keeps the engine in between, moved out and back by DeepSpeed's own
     ``offload_states``/``reload_states`` (ZeRO >= 1)."""
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions")}
     done = subprocess.run(
         [sys.executable, "-c", ZERO_PARITY, str(Path(__file__).parent), str(tmp_path)],
         capture_output=True,
         text=True,
-        env=env,
+        env=torch_env(threads=None),
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
