@@ -92,16 +92,20 @@ def drmas(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str
     return status, out, err
 
 
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def torch_launcher(ranks: int) -> list[str]:
     """The command that starts a script on ``ranks`` processes: Python itself for one,
     torchrun on a free loopback port for more (torchrun hangs with --master_port=0)."""
     if ranks == 1:
         return [sys.executable]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    return [torchrun, f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+    return [torchrun, f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
 
 
 def torch_env(threads: int | None = 1) -> dict[str, str]:

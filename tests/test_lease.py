@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import drmas
 
-from drmas.cli import main
 from drmas.config import StoreConfig, load_config
 from drmas.infra.lease import LEASE_FILE, RUN_SCOPE, RunBusy, RunLease, stage_lease
 from drmas.infra.store import CorruptArtifact, Store
@@ -298,13 +298,9 @@ def test_a_second_writer_of_a_running_run_is_refused_with_the_holder(command, tm
     holder = Writer(store, 60.0, run=f"{config.experiment.name}/R").ready()
     try:
         lease_owner = holder.ask("acquire")["acquired"]
-        try:
-            status = main([command[0], MATH, f"store.root={tmp_path}", *command[1:]])
-        except SystemExit as exit_:
-            status = exit_.code
+        status, _, err = drmas(capsys, command[0], MATH, f"store.root={tmp_path}", *command[1:])
     finally:
         holder.kill()
-    _, err = capsys.readouterr()
     assert status == 1
     prefix = f"drmas {command[0]}: " + ("cannot continue run R: " if command[0] == "run" else "")
     assert err.startswith(

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, TINY_OVERRIDES
+from tests.helpers import ROOT, TINY_OVERRIDES, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -80,12 +79,6 @@ ray.shutdown()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _start_node(args: list[str], temp: Path, env: dict[str, str]) -> subprocess.Popen:
     """A Ray node in its own session (its raylet and workers in its process group)."""
     command = [str(Path(sys.executable).parent / "ray"), "start", "--block", *args, f"--temp-dir={temp}"]
@@ -97,7 +90,7 @@ def _start_node(args: list[str], temp: Path, env: dict[str, str]) -> subprocess.
 @pytest.fixture(scope="module")
 def two_nodes():
     """A head and a second node on 127.0.0.1, one ``pool_slot`` each; stopped by PID."""
-    port = _free_port()
+    port = free_port()
     folder = Path(tempfile.mkdtemp(prefix="drmas-2n-"))  # Ray's socket paths must stay short
     env = {
         **{key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"},

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import free_port
 
 from drmas.config import ConfigError, DrmasConfig, load_config
 from drmas.generation.workers import GenerationResult
@@ -95,12 +96,6 @@ def service(passages: list[Passage], tmp_path: Path) -> Iterator[RetrievalServer
     with running(serve(passages, Store(str(tmp_path / "service-store")), "127.0.0.1", 0)) as server:
         assert isinstance(server, RetrievalServer)
         yield server
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 # --------------------------------------------------------------------------------------
