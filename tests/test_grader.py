@@ -285,6 +285,39 @@ def test_a_slow_comparison_is_stopped_at_its_deadline_and_frees_the_worker():
     assert grading._worker()._thread.is_alive()
 
 
+def test_a_deadline_the_job_drops_is_raised_again_until_the_job_stops(monkeypatch):
+    """The deadline's exception can land where Python drops it: in a weakref callback that
+    the garbage collector runs on the worker thread (SQLAlchemy's, in a CI run whose worker
+    had tracked runs before). Here a job drops the first two on purpose; the watchdog
+    raises it again, with no caller waiting, until the job stops."""
+    grade_answer("x+1", "1+x")  # the worker is started before its comparison is replaced
+    dropped: list[float] = []
+    stopped = threading.Event()
+
+    def stubborn_or_quick(predicted: str, gold: str) -> bool:
+        if predicted != "stubborn":
+            return True
+        while True:
+            try:
+                while True:
+                    time.sleep(0.001)
+            except grading._Deadline:
+                dropped.append(time.perf_counter())
+                if len(dropped) == 3:
+                    stopped.set()
+                    raise
+
+    monkeypatch.setattr(grading, "_verify", stubborn_or_quick)
+    started = time.perf_counter()
+    assert grading._worker().compare("stubborn", "x", timeout_s=0.2) is False
+    assert time.perf_counter() - started < 1.0
+    assert stopped.wait(timeout=5.0)
+    assert len(dropped) == 3
+    started = time.perf_counter()
+    assert grading._worker().compare("quick", "x", timeout_s=5.0) is True
+    assert time.perf_counter() - started < 1.0
+
+
 def test_grading_works_outside_the_main_thread():
     """math-verify's own timeout (signal.alarm) raises there; the grader's does not."""
     pairs = [(r"2\sqrt2", r"\sqrt8", True), ("3, 5", "5, 3", True), ("1+2x", "2x-1", False), ("7", "7", True)] * 10

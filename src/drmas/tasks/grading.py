@@ -46,6 +46,7 @@ import os
 import queue
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -492,22 +493,35 @@ class _Job:
     result: bool = False
 
 
-class _Worker:
-    """One daemon thread that runs math-verify jobs in turn.
+_RESEND_S = 0.05
+"""How often the watchdog raises ``_Deadline`` again while an abandoned job still runs."""
 
-    A caller that stops waiting marks its job abandoned under the lock; if the job is the
-    one running, it raises ``_Deadline`` in the worker thread (PyThreadState_SetAsyncExc),
-    which stops it at its next bytecode. The worker marks a job running and finished under
-    the same lock, so no other job is ever hit; a ``_Deadline`` that arrives just after its
-    job finished is caught by the outer loop of ``_serve``.
+
+class _Worker:
+    """One daemon thread that runs math-verify jobs in turn, and a watchdog that stops a job
+    its caller abandoned.
+
+    A caller that stops waiting marks its job abandoned under the lock and wakes the
+    watchdog. While the running job is an abandoned one, the watchdog raises ``_Deadline``
+    in the worker thread (PyThreadState_SetAsyncExc) every ``_RESEND_S`` seconds, which stops
+    it at its next bytecode. Once is not always enough: when the exception lands in a
+    weakref callback that the garbage collector runs on the worker thread (SQLAlchemy's, in
+    a process that also tracks runs), Python reports it as unraisable and drops it, and the
+    job would go on for minutes while every later job waits behind it.
+
+    The worker marks a job running and finished under the same lock, so no job that is not
+    abandoned is ever hit. A ``_Deadline`` that cuts the worker's own bookkeeping short is
+    caught in ``_serve``, which clears the running job before taking the next one.
     """
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._running: _Job | None = None
+        self._abandoned_running = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="drmas-grader", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._watch, name="drmas-grader-watchdog", daemon=True).start()
 
     def compare(self, predicted: str, gold: str, timeout_s: float) -> bool:
         job = _Job(predicted, gold)
@@ -516,15 +530,28 @@ class _Worker:
             return job.result
         with self._lock:
             job.abandoned = True
-            if self._running is job and self._thread.ident is not None:
+            if self._running is job:
+                self._abandoned_running.set()
+        return job.done.is_set() and job.result
+
+    def _watch(self) -> None:
+        while True:
+            self._abandoned_running.wait()
+            with self._lock:
+                running = self._running
+                if running is None or not running.abandoned:
+                    self._abandoned_running.clear()
+                    continue
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(
                     ctypes.c_ulong(self._thread.ident), ctypes.py_object(_Deadline)
                 )
-        return job.done.is_set() and job.result
+            time.sleep(_RESEND_S)
 
     def _serve(self) -> None:
         while True:
             try:
+                with self._lock:
+                    self._running = None
                 while True:
                     self._run_next()
             except _Deadline:
