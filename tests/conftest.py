@@ -193,6 +193,10 @@ def local_trained_run(trained_run: TrainedRun, tmp_path_factory: pytest.TempPath
 # Scheduling on pytest-xdist workers (`make test`: --dist loadfile --no-loadscope-reorder)
 # --------------------------------------------------------------------------------------
 
+SHARED_SESSION_FIXTURE = dict.fromkeys(("test_disk_full", "test_bad_input", "test_security"), "trained_run")
+"""Test files that use one costly session fixture (``trained_run``: a ``drmas run``, ~45 s):
+xdist hands them to one worker as one unit, so that the fixture is built once, not once per
+worker that runs one of them."""
 SECONDS_ON_A_WORKER = {
     "test_real_model": 290,
     "test_pipelines": 270,
@@ -201,23 +205,42 @@ SECONDS_ON_A_WORKER = {
     "test_rollout": 185,
     "test_store_faults": 180,
     "test_update": 150,
+    "test_disk_full": 150,  # with test_bad_input and test_security: one unit (the trained run)
+    "test_bad_input": 150,
+    "test_security": 150,
     "test_compare": 130,
     "test_pool_cluster": 125,
     "test_tracking_faults": 115,
     "test_grad_norms": 75,
-    "test_disk_full": 55,
     "test_manifests": 50,
-    "test_bad_input": 50,
     "test_held_training": 45,
     "test_deepspeed_bf16": 45,
 }
-"""What each test file took on one of two workers (measured; the rest take under 40 s each).
-xdist hands a worker a whole file at a time, in collection order: the longest go first, so
-that the workers finish together (by default it orders files by their number of tests,
-which leaves the files of one long test to the end)."""
+"""What each unit of test files took on one of two workers (measured; the rest take under
+40 s each). xdist hands a worker a whole unit at a time, in collection order: the longest
+go first, so that the workers finish together (by default it orders them by their number of
+tests, which leaves the files of one long test to the end)."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On xdist workers, the longest files first (a stable sort: collection order within)."""
+    """On xdist workers, the longest units first (a stable sort: collection order within)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         items.sort(key=lambda item: -SECONDS_ON_A_WORKER.get(item.path.stem, 0))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadfile``, with the files of ``SHARED_SESSION_FIXTURE`` as one unit.
+
+    (xdist's own ``loadgroup`` would do it by marks, but it renames the tests it groups,
+    which pytest 9 no longer takes into account.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling  # only under xdist (`make test`)
+
+    class SharedFixtureScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return SHARED_SESSION_FIXTURE.get(Path(file).stem, file)
+
+    return SharedFixtureScheduling(config, log)

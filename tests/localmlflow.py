@@ -24,6 +24,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+SERVER_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+"""As ``make ui`` and the cluster's server run it: without MLflow 3's job runner, nine
+processes (its GenAI scorers and trace jobs, which drmas never uses) that took ~30 s of CPU
+at each start, a third of the suite's MLflow cost."""
+
+
 class MlflowServer:
     """``mlflow server`` on 127.0.0.1:``port`` over ``folder/mlflow.db``; it can be killed
     (-9) and started again on the same port and database."""
@@ -63,7 +69,7 @@ class MlflowServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"},
+                env={**os.environ, **SERVER_ENV},
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -1137,6 +1137,7 @@ def test_mlflow_server_uses_a_database_and_serves_artifacts_from_s3() -> None:
     env = {e["name"]: e for e in container["env"]}
     assert env["PGPASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "drmas-mlflow-db"
     assert env["MLFLOW_S3_ENDPOINT_URL"]["valueFrom"]["secretKeyRef"]["key"] == "AWS_ENDPOINT_URL"
+    assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"]["value"] == "false"  # no GenAI job runner
 
     service = one(base, "Service", "mlflow")
     allowed = str(args["--allowed-hosts"]).split(",")

@@ -94,6 +94,28 @@ def _timed(call: Callable[..., None], *args: object) -> float:
     return time.monotonic() - began
 
 
+def _session_commands(leader: int) -> list[str]:
+    """The command lines of the processes in the session that ``leader`` leads."""
+    commands = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            if entry.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[3]) == leader:
+                commands.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, ValueError):
+            continue  # gone meanwhile, or not a process
+    return commands
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_the_server_runs_without_mlflows_job_runner(mlflow_server):
+    """MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false, as ``make ui`` and the cluster's manifest set
+    it, is the switch this MLflow reads: the server and its web worker, no huey consumers."""
+    commands = _session_commands(mlflow_server.process.pid)
+    assert commands and not [command for command in commands if "huey" in command or "_job_runner" in command]
+    assert len(commands) <= 3, commands
+
+
 def test_a_temporary_outage_leaves_no_hole(tmp_path, mlflow_server):
     """Killed after step 3, back after step 6: steps 4-6 (metrics and lineage) are kept,
     cost milliseconds, and reach MLflow with their original steps and times."""

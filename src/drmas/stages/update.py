@@ -165,7 +165,7 @@ def update_rank(
     from drmas.training.engines import rank_and_world  # noqa: PLC0415
     from drmas.training.loop import train_worker_group  # noqa: PLC0415
     from drmas.training.lora import adapter_config, split_weights  # noqa: PLC0415
-    from drmas.training.state import save_state  # noqa: PLC0415
+    from drmas.training.state import state_files  # noqa: PLC0415
 
     started = time.perf_counter()
     store = Store.from_config(store_settings)
@@ -204,9 +204,9 @@ def update_rank(
             tokenizer.save_pretrained(saved / "policy")
             meta = {"stage": "update", "iteration": iteration, "wg": wg, "cache_key": cache_key}
             if state is not None:
-                save_state(state, saved / "optim")
                 with store.writer(out_optim, overwrite=overwrite, meta=meta) as out:
-                    out.put_dir(saved / "optim", "")
+                    for name, data in state_files(state).items():
+                        out.write_bytes(name, data)
             with store.writer(out_policy, overwrite=overwrite, meta=meta) as out:
                 out.put_dir(saved / "policy", "")
                 out.write_json("metrics.json", metrics)

@@ -22,6 +22,7 @@ __all__ = [
     "save_state",
     "saved_masters",
     "scheduler_state",
+    "state_files",
     "state_mismatch",
 ]
 
@@ -143,12 +144,25 @@ def state_mismatch(state: TrainState, shapes: dict[str, torch.Size]) -> str | No
     return None
 
 
-def save_state(state: TrainState, folder: Path) -> None:
-    from safetensors.torch import save_file  # noqa: PLC0415
+def state_files(state: TrainState) -> dict[str, bytes]:
+    """The files of a saved state, by name: ``optimizer.safetensors`` and ``state.json``.
 
+    In memory, so that a stage writes them straight into the store: through a local folder
+    the optimizer state (12 bytes per parameter in fp32, 1.6 GB for a 135M model) went to
+    disk twice and was read back once, which took most of a CPU update's save."""
+    from safetensors.torch import save  # noqa: PLC0415
+
+    return {
+        "optimizer.safetensors": save(state.tensors),
+        "state.json": json.dumps(state.meta, sort_keys=True).encode(),
+    }
+
+
+def save_state(state: TrainState, folder: Path) -> None:
+    """The files of ``state_files`` in ``folder``, which ``load_state`` reads."""
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(state.tensors, str(folder / "optimizer.safetensors"))
-    (folder / "state.json").write_text(json.dumps(state.meta, sort_keys=True))
+    for name, data in state_files(state).items():
+        (folder / name).write_bytes(data)
 
 
 def load_state(folder: Path) -> TrainState:
