@@ -75,9 +75,11 @@ def mlflow_server(mlflow_service: MlflowServer) -> MlflowServer:
     return mlflow_service if mlflow_service.process is not None else mlflow_service.start()
 
 
-@pytest.fixture(scope="session")
-def ray_session(tmp_path_factory: pytest.TempPathFactory):
-    """A local Ray for the whole session (pool resource 'pool_slot'), shut down at the end."""
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory: pytest.TempPathFactory):
+    """A local Ray for the test file (pool resource 'pool_slot'), shut down after its last
+    test: an idle local Ray takes ~5% of a core (its raylet, GCS, agents and idle workers),
+    which over a whole session on two cores was a minute of CPU."""
     import ray
 
     from drmas.config import DrmasConfig

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -108,8 +110,9 @@ def test_report_means_skip_iterations_without_reward_spread(tmp_path):
 
 @pytest.mark.slow
 def test_drmas_compare_trains_every_run_from_one_warm_start(tmp_path):
-    """`drmas compare` end to end on a tiny team: one run per mode and seed; every run
-    starts from the first one's warm start (copied, not retrained), one report for all."""
+    """`drmas compare` end to end on a tiny team: one run per mode and seed, all in one Ray;
+    every run starts from the first one's warm start (copied, not retrained), one report for
+    all."""
     command = [
         str(Path(sys.executable).parent / "drmas"),
         "compare",
@@ -125,13 +128,25 @@ def test_drmas_compare_trains_every_run_from_one_warm_start(tmp_path):
         *TINY_OVERRIDES,
         f"store.root={tmp_path / 'runs'}",
     ]
-    done = subprocess.run(
-        command, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900
-    )
+    ray_dir = Path(tempfile.mkdtemp(prefix="drmas-cmp-"))  # short: Ray's socket paths
+    try:
+        done = subprocess.run(
+            command,
+            cwd=tmp_path,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "RAY_TMPDIR": str(ray_dir)},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        ray_sessions = [path for path in ray_dir.glob("drmas-ray-*/session_2*") if path.is_dir()]
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
     assert done.returncode == 0, done.stdout + done.stderr
     root = tmp_path / "runs" / "math-tiny"
     runs = ["cmp-grpo-s0", "cmp-drmas-s0", "cmp-grpo-s1", "cmp-drmas-s1"]
     assert f"runs: {', '.join(runs)}" in done.stdout
+    # one local Ray for the four runs (one session folder), each run's own pool started in it
+    assert len(ray_sessions) == 1 and done.stdout.count("drmas: pool started: 2 worker(s)") == len(runs)
     for wg in ("solver", "verifier"):
         start = (root / runs[0] / "warmstart" / "policy" / wg / "model.safetensors").read_bytes()
         for other in runs[1:]:

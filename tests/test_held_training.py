@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_run_that_loses_its_pool_goes_back_to_its_last_stored_optimizer_state(
-    ray_session, tmp_path, monkeypatch, caplog
+    local_ray, tmp_path, monkeypatch, caplog
 ):
     """every=2 over 2 iterations: iteration 0's optimizer states live only in the pool's
     workers. They are killed before iteration 1's first update: the rebuilt workers hold no

@@ -48,7 +48,7 @@ def run_rollouts(config, tmp_path, iterations=(0,), run_id="run"):
     return store, results, tables, status, loads
 
 
-def test_math_rollout_separate_models_is_deterministic(ray_session, tmp_path):
+def test_math_rollout_separate_models_is_deterministic(local_ray, tmp_path):
     config = load_config(CONFIGS / "math_tiny.yaml", [*SMALL, "workers.sharing=none", "ray.max_resident=1"])
     _, results, [table], status, loads = run_rollouts(config, tmp_path / "a")
     metrics = results[0].metrics
@@ -69,7 +69,7 @@ def test_math_rollout_separate_models_is_deterministic(ray_session, tmp_path):
     assert again.equals(table)  # same seed, same file
 
 
-def test_the_pool_truncates_prompts_as_configured(ray_session, tmp_path):
+def test_the_pool_truncates_prompts_as_configured(local_ray, tmp_path):
     """The pool's actors get ``rollout.truncation``: a middle cut keeps every prompt's
     chat-template opening (the same first tokens on every row), a left cut drops it."""
     openings = {}
@@ -84,7 +84,7 @@ def test_the_pool_truncates_prompts_as_configured(ray_session, tmp_path):
     assert len(openings["middle"]) == 1 and len(openings["left"]) > 1
 
 
-def test_search_rollout_one_shared_model(ray_session, tmp_path):
+def test_search_rollout_one_shared_model(local_ray, tmp_path):
     config = load_config(
         CONFIGS / "search_tiny.yaml",
         [*SMALL, "workers.sharing=by_model", "task.max_turns=2", "ray.max_resident=1"],
@@ -98,7 +98,7 @@ def test_search_rollout_one_shared_model(ray_session, tmp_path):
     assert set(table["data_source"].to_pylist()) <= {"facts-1hop", "facts-2hop"}
 
 
-def test_heterogeneous_models_use_their_own_tokenizers(ray_session, tmp_path):
+def test_heterogeneous_models_use_their_own_tokenizers(local_ray, tmp_path):
     config = load_config(
         CONFIGS / "math_tiny.yaml",
         [
@@ -141,7 +141,7 @@ class ActorKiller:
         return self.pool.generate(wg, messages, sampling, seed)
 
 
-def test_a_killed_worker_group_actor_is_restarted_and_the_rollout_is_unchanged(ray_session, tmp_path):
+def test_a_killed_worker_group_actor_is_restarted_and_the_rollout_is_unchanged(local_ray, tmp_path):
     """Ray restarts the actor, the pool reloads its policy and repeats the call: the stage
     writes the trajectories an undisturbed rollout writes."""
     config = load_config(CONFIGS / "math_tiny.yaml", [*SMALL, "workers.sharing=none", "ray.max_resident=1"])
@@ -156,7 +156,7 @@ def test_a_killed_worker_group_actor_is_restarted_and_the_rollout_is_unchanged(r
     assert table.equals(expected)
 
 
-def test_an_actor_that_keeps_dying_fails_the_stage_cleanly(ray_session, tmp_path, monkeypatch):
+def test_an_actor_that_keeps_dying_fails_the_stage_cleanly(local_ray, tmp_path, monkeypatch):
     """Past ACTOR_RESTARTS (1 here: each restart starts a process) the stage stops with an
     error naming the worker group, and no trajectories appear in the store."""
     monkeypatch.setattr("drmas.generation.pool.ACTOR_RESTARTS", 1)
@@ -185,7 +185,7 @@ ray.shutdown()
 """
 
 
-def test_a_stage_process_joins_the_ray_that_ray_address_names(ray_session):
+def test_a_stage_process_joins_the_ray_that_ray_address_names(local_ray):
     """How kfp-local's tasks share one Ray: a process with RAY_ADDRESS set joins that Ray
     (its pool resource is there) instead of starting its own, and leaving it with
     ray.shutdown() does not stop it."""
@@ -256,7 +256,7 @@ def test_a_gpu_pool_asks_ray_for_gpus_by_num_gpus(tmp_path):
     }
 
 
-def test_a_runs_pool_outlives_its_stage_and_frees_itself_when_idle(ray_session, tmp_path):
+def test_a_runs_pool_outlives_its_stage_and_frees_itself_when_idle(local_ray, tmp_path):
     """A run's pool is named and detached: a second pool object of the run (the next stage,
     another process) finds its workers warm, holding their policy; ``drmas pool status``
     lists them; past ``ray.idle_timeout_s`` without a call the pool frees itself, workers

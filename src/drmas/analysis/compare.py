@@ -26,6 +26,8 @@ comparison that was interrupted continues where it stopped when started again.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,32 +65,50 @@ def compare(
     base = load_config(config_path, overrides)
     store = Store.from_config(base.store)
     first: str | None = None
-    for seed in seeds:
-        for mode in modes:
-            config = load_config(
-                config_path,
-                [
-                    *overrides,
-                    f"algorithm.advantage={mode}",
-                    f"experiment.seed={seed}",
-                    "diagnostics.per_agent_grad_norm=true",
-                ],
-            )
-            run_id = f"{name}-{mode}-s{seed}"
-            config = open_run(
-                config, store, run_id, resume=store.exists(f"{run_path(config.experiment.name, run_id)}/run")
-            )
-            if first is not None:
-                _share_start(store, config.experiment.name, first, run_id)
-            train(config, store, run_id, cache_dir=cache_dir, config_path=config_path)
-            runs.append(ComparisonRun(mode, seed, run_id, run_history(config, store, run_id)))
-            first = first or run_id
+    with _one_ray(base, cache_dir):
+        for seed in seeds:
+            for mode in modes:
+                config = load_config(
+                    config_path,
+                    [
+                        *overrides,
+                        f"algorithm.advantage={mode}",
+                        f"experiment.seed={seed}",
+                        "diagnostics.per_agent_grad_norm=true",
+                    ],
+                )
+                run_id = f"{name}-{mode}-s{seed}"
+                config = open_run(
+                    config, store, run_id, resume=store.exists(f"{run_path(config.experiment.name, run_id)}/run")
+                )
+                if first is not None:
+                    _share_start(store, config.experiment.name, first, run_id)
+                train(config, store, run_id, cache_dir=cache_dir, config_path=config_path)
+                runs.append(ComparisonRun(mode, seed, run_id, run_history(config, store, run_id)))
+                first = first or run_id
     from drmas.infra.tracking import Tracker  # noqa: PLC0415
 
     tracker = Tracker(base, name, store.root, config_path)
     uri = write_comparison(base, store, name, runs, tracker)
     tracker.finish()
     return runs, uri
+
+
+@contextmanager
+def _one_ray(config: DrmasConfig, cache_dir: Path | None) -> Iterator[None]:
+    """One Ray for every run of the comparison: each run frees its pool when it completes,
+    and a local Ray started once saves every later run its start-up (~5 s and its
+    processes); a cluster's Ray (``ray.address``) is only joined."""
+    from drmas.generation.pool import connect_ray  # noqa: PLC0415
+
+    started = connect_ray(config, cache_dir / "ray" if cache_dir else None)
+    try:
+        yield
+    finally:
+        if started:
+            import ray  # noqa: PLC0415
+
+            ray.shutdown()
 
 
 def _share_start(store: Store, experiment: str, source_run: str, target_run: str) -> None:
