@@ -110,12 +110,13 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, capsys, monkeypatch):
     status, out, _ = drmas_here(capsys, tmp_path, "run", "--resume", "cut", *cut)
     assert status == 0 and "nothing left to do" in out
 
-    # A damaged last checkpoint: say which file and stop, non-zero; never run zero steps.
+    # A damaged last checkpoint: say which file and stop, non-zero, before Ray (refused
+    # here) or anything else starts; never run zero steps.
     optimizer = tmp_path / "runs" / "math-tiny" / "cut" / "iter-000002" / "optim" / "solver" / "optimizer.safetensors"
     optimizer.write_bytes(optimizer.read_bytes()[:100])
-    broken = drmas_run(tmp_path, "--resume", "cut", *cut, "experiment.iterations=4")
-    assert broken.returncode == 1
-    assert "optim/solver/optimizer.safetensors" in broken.stderr and "manifest" in broken.stderr
+    status, _, err = drmas_here(capsys, tmp_path, "run", "--resume", "cut", *cut, "experiment.iterations=4")
+    assert status == 1
+    assert "optim/solver/optimizer.safetensors: 100 bytes, but the manifest says" in err
 
     status, _, err = drmas_here(
         capsys, tmp_path, "run", "--resume", "full", "eval.every=2", "eval.max_questions=3", "eval.k=2", "train.lr=0.5"

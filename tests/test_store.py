@@ -168,6 +168,24 @@ def test_modified_file_fails_its_hash(store: Store):
         store.open(ARTIFACT).read_bytes("weights.bin")
 
 
+def test_sizes_are_checked_without_reading(store: Store):
+    """``check_sizes``: every file there at its manifest's size, or the file named; a file
+    of the right size but other bytes passes (its sha256 is checked when it is read)."""
+    with store.writer(ARTIFACT) as out:
+        out.write_bytes("optimizer.safetensors", b"\x00" * 64)
+        out.write_bytes("state.json", b"{}")
+    store.open(ARTIFACT).check_sizes()
+    _rewrite(store, "optimizer.safetensors", b"\x01" * 64)
+    store.open(ARTIFACT).check_sizes()
+    _rewrite(store, "optimizer.safetensors", b"\x00" * 10)
+    with pytest.raises(CorruptArtifact, match=r"optimizer\.safetensors: 10 bytes, but the manifest says 64"):
+        store.open(ARTIFACT).check_sizes()
+    _rewrite(store, "optimizer.safetensors", b"\x00" * 64)
+    store.fs.delete_file(store._abs(ARTIFACT, "state.json"))
+    with pytest.raises(CorruptArtifact, match=r"state\.json: listed in the manifest but missing"):
+        store.open(ARTIFACT).check_sizes()
+
+
 def test_damaged_manifests_are_refused(store: Store):
     with store.writer(ARTIFACT) as out:
         out.write_bytes("a.txt", b"a")

@@ -359,6 +359,21 @@ class Artifact:
             raise CorruptArtifact(f"{location}: sha256 differs from the manifest (modified?)")
         return data
 
+    def check_sizes(self) -> None:
+        """Refuse, without reading them, files that are missing or whose size differs from the
+        manifest (a cut copy, a truncated write): what a resume checks of the checkpoint it
+        starts from before it starts anything. Their sha256 is checked when they are read."""
+        names = sorted(self.files)
+        infos = self.store._call(self.store.fs.get_file_info, [self.store._abs(self.path, name) for name in names])
+        for name, info in zip(names, infos, strict=True):
+            location, expected = self.store.uri(self.path, name), self.files[name].size
+            if info.type != pafs.FileType.File:
+                raise CorruptArtifact(f"{location}: listed in the manifest but missing")
+            if info.size != expected:
+                raise CorruptArtifact(
+                    f"{location}: {info.size} bytes, but the manifest says {expected} (truncated or modified?)"
+                )
+
     def read_table(
         self, name: str, schema: pa.Schema | None = None, dictionary_columns: list[str] | None = None
     ) -> pa.Table:

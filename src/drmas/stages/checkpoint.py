@@ -143,7 +143,8 @@ def _stores_optimizer_states(store: Store, checkpoint_path: str) -> bool:
 def read_checkpoint(config: DrmasConfig, store: Store, path: str) -> ResumePoint:
     """What the checkpoint artifact at ``path`` names, each part checked: every worker
     group's policy and stored optimizer state present and unchanged since the checkpoint was
-    written (CorruptArtifact otherwise), and each policy the group's model (``check_policy``).
+    written, their files all there at their sizes (CorruptArtifact otherwise: a resume stops
+    before it starts Ray or a rollout), and each policy the group's model (``check_policy``).
     An optimizer state that was not stored (held by the pool) is named, unchecked: the
     update that continues from it finds it in the pool or fails with OptimizerStateLost."""
     where = store.uri(path)
@@ -162,6 +163,7 @@ def read_checkpoint(config: DrmasConfig, store: Store, path: str) -> ResumePoint
                 raise CorruptArtifact(f"{store.uri(entry[kind])}: named by {where} but missing") from None
             if found != entry[f"{kind}_manifest"]:
                 raise CorruptArtifact(f"{store.uri(entry[kind], MANIFEST)}: differs from what {where} recorded")
+            store.open(entry[kind]).check_sizes()
         policies[group.name], optims[group.name] = PolicyRef(entry["policy"]), PolicyRef(entry["optim"])
         check_policy(group, store, policies[group.name])
     return ResumePoint(record["iteration"] + 1, policies, optims)
