@@ -200,23 +200,22 @@ SHARED_SESSION_FIXTURE = dict.fromkeys(("test_disk_full", "test_bad_input", "tes
 xdist hands them to one worker as one unit, so that the fixture is built once, not once per
 worker that runs one of them."""
 SECONDS_ON_A_WORKER = {
-    "test_real_model": 290,
-    "test_pipelines": 270,
-    "test_resume": 220,
-    "test_kills": 210,
+    "test_real_model": 280,
+    "test_pipelines": 265,
+    "test_resume": 200,
+    "test_kills": 220,
     "test_rollout": 185,
-    "test_store_faults": 180,
-    "test_update": 150,
-    "test_disk_full": 150,  # with test_bad_input and test_security: one unit (the trained run)
-    "test_bad_input": 150,
-    "test_security": 150,
-    "test_compare": 130,
-    "test_pool_cluster": 125,
-    "test_tracking_faults": 115,
-    "test_grad_norms": 75,
+    "test_store_faults": 170,
+    "test_disk_full": 135,  # with test_bad_input and test_security: one unit (the trained run)
+    "test_bad_input": 135,
+    "test_security": 135,
+    "test_update": 135,
+    "test_pool_cluster": 110,
+    "test_compare": 90,
+    "test_grad_norms": 65,
+    "test_tracking_faults": 60,
     "test_manifests": 50,
-    "test_held_training": 45,
-    "test_deepspeed_bf16": 45,
+    "test_deepspeed_bf16": 40,
 }
 """What each unit of test files took on one of two workers (measured; the rest take under
 40 s each). xdist hands a worker a whole unit at a time, in collection order: the longest
