@@ -26,8 +26,6 @@ comparison that was interrupted continues where it stopped when started again.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,13 +57,13 @@ def compare(
 ) -> tuple[list[ComparisonRun], str]:
     """Train every (mode, seed), then write the comparison report; returns the runs and the
     report's URI in the store."""
-    from drmas.runner import open_run, train  # noqa: PLC0415 - the runner pulls in Ray
+    from drmas.runner import one_ray, open_run, train  # noqa: PLC0415 - the runner pulls in Ray
 
     runs: list[ComparisonRun] = []
     base = load_config(config_path, overrides)
     store = Store.from_config(base.store)
     first: str | None = None
-    with _one_ray(base, cache_dir):
+    with one_ray(base, cache_dir):
         for seed in seeds:
             for mode in modes:
                 config = load_config(
@@ -92,23 +90,6 @@ def compare(
     uri = write_comparison(base, store, name, runs, tracker)
     tracker.finish()
     return runs, uri
-
-
-@contextmanager
-def _one_ray(config: DrmasConfig, cache_dir: Path | None) -> Iterator[None]:
-    """One Ray for every run of the comparison: each run frees its pool when it completes,
-    and a local Ray started once saves every later run its start-up (~5 s and its
-    processes); a cluster's Ray (``ray.address``) is only joined."""
-    from drmas.generation.pool import connect_ray  # noqa: PLC0415
-
-    started = connect_ray(config, cache_dir / "ray" if cache_dir else None)
-    try:
-        yield
-    finally:
-        if started:
-            import ray  # noqa: PLC0415
-
-            ray.shutdown()
 
 
 def _share_start(store: Store, experiment: str, source_run: str, target_run: str) -> None:
