@@ -248,10 +248,13 @@ def test_a_holder_on_another_machine_counts_only_by_its_heartbeat(store):
     }
     document = {"format": "drmas.lease/1", "holders": {RUN_SCOPE: elsewhere}}
     assert lease.file.write(json.dumps(document).encode(), None)
-    with pytest.raises(
-        RunBusy, match=r"pid 1 on node-7 .*last heartbeat 20 s ago.* \(in 10 s if that process is dead\)"
-    ):
+    with pytest.raises(RunBusy, match=r"pid 1 on node-7 ") as busy:
         lease.acquire()
+    # The store's round trips take time on a loaded machine: the ages move on, their sum does not.
+    found = re.search(r"last heartbeat (\d+) s ago.* \(in (\d+) s if that process is dead\)", str(busy.value))
+    assert found is not None, busy.value
+    age, left = int(found[1]), int(found[2])
+    assert 20 <= age <= 25 and 29 <= age + left <= 31, busy.value
     current = lease.file.read()
     document["holders"][RUN_SCOPE]["heartbeat_at"] = now - 31
     assert current is not None and lease.file.write(json.dumps(document).encode(), current[1])
