@@ -17,10 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-import ray
-
 from drmas.config import load_config
-from drmas.generation.pool import RayPool, connect_ray
+from drmas.generation.pool import RayPool, ray_session
 from drmas.infra.store import Store
 from drmas.stages.policies import init_policies
 from drmas.stages.rollout import rollout
@@ -84,13 +82,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         config = load_config(ROOT / "configs" / "search_tiny.yaml")
-        started_ray = connect_ray(config, Path(scratch) / "ray")
-        try:
+        with ray_session(config, Path(scratch) / "ray"):
             one = measure(1, args.iterations, Path(scratch))
             three = measure(3, args.iterations, Path(scratch))
-        finally:
-            if started_ray:
-                ray.shutdown()
     print(f"{'max_resident':>12} {'seconds':>8} {'peak RSS (3 actors)':>20}")
     for label, (seconds, peak) in (("1", one), ("3 (all)", three)):
         print(f"{label:>12} {seconds:8.1f} {peak / 2**20:17.0f} MiB")

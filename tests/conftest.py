@@ -80,18 +80,14 @@ def local_ray(tmp_path_factory: pytest.TempPathFactory):
     """A local Ray for the test file (pool resource 'pool_slot'), shut down after its last
     test: an idle local Ray takes ~5% of a core (its raylet, GCS, agents and idle workers),
     which over a whole session on two cores was a minute of CPU."""
-    import ray
-
     from drmas.config import DrmasConfig
-    from drmas.generation.pool import connect_ray
+    from drmas.generation.pool import ray_session
 
     config = DrmasConfig.model_validate(
         {"agents": [{"name": "solver", "model": "m"}, {"name": "verifier", "model": "m"}]}
     )
-    started = connect_ray(config, tmp_path_factory.mktemp("ray"))
-    yield
-    if started:
-        ray.shutdown()
+    with ray_session(config, tmp_path_factory.mktemp("ray")):
+        yield
 
 
 @pytest.fixture

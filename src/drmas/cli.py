@@ -46,8 +46,6 @@ import sys
 import time
 import types
 import typing
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -460,7 +458,7 @@ def _rerun(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from drmas.analysis.compare import compare  # noqa: PLC0415
 
-    config = _load(args)  # validates the config and the overrides before any run starts
+    _load(args)  # validates the config and the overrides before any run starts
     modes = [mode.strip() for mode in args.advantage.split(",") if mode.strip()]
     if not modes or any(mode not in ("grpo", "drmas") for mode in modes) or args.seeds < 1:
         return _fail(
@@ -468,9 +466,7 @@ def _compare(args: argparse.Namespace) -> int:
         )
     cache_dir = Path(".cache") / "drmas"
     try:
-        # One Ray for all the runs: each run's pool would otherwise start and stop its own.
-        with _ray(config, cache_dir / "ray"):
-            runs, report = compare(args.config, args.overrides, modes, list(range(args.seeds)), args.name, cache_dir)
+        runs, report = compare(args.config, args.overrides, modes, list(range(args.seeds)), args.name, cache_dir)
     except _stopping_errors() as error:
         return _fail("compare", error)
     except KeyboardInterrupt:
@@ -481,7 +477,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     """Evaluate a checkpoint; results go to ``iter-I/evaluate-{hash of the eval settings}``."""
-    from drmas.generation.pool import RayPool  # noqa: PLC0415
+    from drmas.generation.pool import RayPool, ray_session  # noqa: PLC0415
     from drmas.generation.workers import PolicyRef  # noqa: PLC0415
     from drmas.infra.layout import policy_path, stage_path  # noqa: PLC0415
     from drmas.infra.store import Store  # noqa: PLC0415
@@ -510,7 +506,7 @@ def _eval(args: argparse.Namespace) -> int:
                 g.name: PolicyRef(policy_path(experiment, args.run_id, iteration, g.name))
                 for g in config.worker_groups()
             }
-            with _ray(config), RayPool(config, store) as pool:
+            with ray_session(config), RayPool(config, store) as pool:
                 metrics = evaluate(config, store, path, policies, pool).metrics
     except _stopping_errors() as error:
         return _fail("eval", error)
@@ -604,22 +600,6 @@ def _refuse_unless_it_fits(command: str, config: DrmasConfig) -> int | None:
         f"drmas plan prints the whole plan:\n{problems}",
         2,
     )
-
-
-@contextmanager
-def _ray(config: DrmasConfig, temp_dir: Path | None = None) -> Iterator[None]:
-    """Ray for the command's duration: the one ``ray.address`` names, or a local one that
-    is shut down at the end (only when this call started it)."""
-    from drmas.generation.pool import connect_ray  # noqa: PLC0415
-
-    started = connect_ray(config, temp_dir)
-    try:
-        yield
-    finally:
-        if started:
-            import ray  # noqa: PLC0415
-
-            ray.shutdown()
 
 
 def _pipeline_options(command: argparse.ArgumentParser, run_id: bool = True) -> None:

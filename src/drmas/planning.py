@@ -187,21 +187,23 @@ def architecture_of(model: str, spec: ModelSpec | None) -> tuple[Architecture, s
     """A worker group's architecture and where its numbers came from: the spec of a scratch
     model, a local folder's config.json, the local Hugging Face cache, or the table above."""
     source = spec.source if spec is not None else model
+    revision = spec.revision if spec is not None else None
     if source == "scratch" and spec is not None:
         return _scratch_architecture(spec), "scratch spec"
     if source.startswith(("/", "./", "../", "~")):
         path = Path(source).expanduser() / "config.json"
         return _read_hf_config(path), str(path)
-    cached = _cached_config(source)
+    cached = _cached_config(source, revision)
     if cached is not None:
         return _read_hf_config(cached), str(cached)
     if source in KNOWN_ARCHITECTURES:
         return KNOWN_ARCHITECTURES[source], "built-in table"
+    at = f" at revision {revision!r}" if revision else ""
+    fetch = f"hf download {source} config.json" + (f" --revision {revision}" if revision else "")
     raise PlanError(
-        f"cannot size model {source!r}: it is not a local folder, its config.json is not in the local Hugging Face "
-        f"cache, and it is not one of drmas's known architectures ({', '.join(sorted(KNOWN_ARCHITECTURES))}); "
-        f"fetch its config once (huggingface-cli download {source} config.json) or point the model's source at a "
-        "local folder holding its config.json"
+        f"cannot size model {source!r}{at}: it is not a local folder, its config.json is not in the local Hugging "
+        f"Face cache, and it is not one of drmas's known architectures ({', '.join(sorted(KNOWN_ARCHITECTURES))}); "
+        f"fetch its config once ({fetch}) or point the model's source at a local folder holding its config.json"
     )
 
 
@@ -221,12 +223,13 @@ def _scratch_architecture(spec: ModelSpec) -> Architecture:
     )
 
 
-def _cached_config(repo_id: str) -> Path | None:
-    """The hub model's config.json if the local Hugging Face cache holds it (no network)."""
+def _cached_config(repo_id: str, revision: str | None) -> Path | None:
+    """The hub model's config.json at ``revision`` (a branch, tag or commit; unset: main), the
+    one its weights load from, if the local Hugging Face cache holds it (no network)."""
     from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415 - only for hub ids
 
     try:
-        found = try_to_load_from_cache(repo_id, "config.json")
+        found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
     except ValueError:  # not a valid repo id: the caller says what it could not size
         return None
     return Path(found) if isinstance(found, str) else None

@@ -14,15 +14,13 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from drmas.config import ConfigError, DrmasConfig
-from drmas.generation.pool import PoolOnDemand, connect_ray
+from drmas.generation.pool import PoolOnDemand, ray_session
 from drmas.generation.workers import PolicyRef
 from drmas.infra.caching import is_cached
 from drmas.infra.layout import optim_path, policy_path, run_path, stage_path
@@ -47,7 +45,7 @@ from drmas.stages.track import RunSummary, eval_line, finish_run, log_iteration,
 from drmas.stages.update import OptimizerStateLost, update
 from drmas.stages.warmstart import warmstart
 
-__all__ = ["IterationResult", "one_ray", "open_run", "rerun", "run_iteration", "train"]
+__all__ = ["IterationResult", "open_run", "ray_session", "rerun", "run_iteration", "train"]
 
 log = logging.getLogger("drmas")
 
@@ -205,21 +203,6 @@ def _holding_the_run(function):
             return function(config, store, run_id, *args, **kwargs)
 
     return holding
-
-
-@contextmanager
-def one_ray(config: DrmasConfig, cache_dir: Path | None = None) -> Iterator[None]:
-    """One Ray for several runs in a row (``drmas compare``): each run frees its pool when it
-    completes, and a local Ray started once saves every later run its start-up (~5 s and
-    its processes); a cluster's Ray (``ray.address``) is only joined."""
-    started = connect_ray(config, cache_dir / "ray" if cache_dir else None)
-    try:
-        yield
-    finally:
-        if started:
-            import ray  # noqa: PLC0415
-
-            ray.shutdown()
 
 
 @_holding_the_run

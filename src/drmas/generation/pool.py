@@ -43,7 +43,8 @@ import tempfile
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,7 @@ __all__ = [
     "connect_ray",
     "free_pool",
     "pool_status",
+    "ray_session",
     "slot_request",
 ]
 
@@ -95,8 +97,7 @@ class WorkerGroupDied(RuntimeError):
 def connect_ray(config: DrmasConfig, temp_dir: Path | None = None) -> bool:
     """Join ``ray.address`` (else ``RAY_ADDRESS``, as ``ray.init`` reads it: how kfp-local's
     tasks share one Ray) or start a local Ray with the pool resource; True if this call
-    connected. The caller then leaves with ``ray.shutdown()``, which stops only a Ray it
-    started (never ``ray stop``).
+    connected. ``ray_session`` pairs it with the ``ray.shutdown()`` that leaves it.
     """
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
@@ -125,6 +126,21 @@ def connect_ray(config: DrmasConfig, temp_dir: Path | None = None) -> bool:
         configure_logging=False,
     )
     return True
+
+
+@contextmanager
+def ray_session(config: DrmasConfig, temp_dir: Path | None = None) -> Iterator[None]:
+    """Ray for a block (``connect_ray``), left by ``ray.shutdown()`` only when this call
+    connected: that stops a local Ray it started and leaves a cluster running (never
+    ``ray stop``)."""
+    started = connect_ray(config, temp_dir)
+    try:
+        yield
+    finally:
+        if started:
+            import ray  # noqa: PLC0415
+
+            ray.shutdown()
 
 
 def slot_request(resource: str, amount: float, node: bool = False) -> dict[str, Any]:
@@ -626,12 +642,12 @@ class PoolOnDemand:
     ) -> None:
         self.config, self.store, self.cache_dir, self.run = config, store, cache_dir, run
         self.pool: RayPool | None = None
-        self.started_ray = False
+        self.ray = ExitStack()
         self.release_on_exit = False
 
     def __call__(self) -> RayPool:
         if self.pool is None:
-            self.started_ray = connect_ray(self.config, self.cache_dir / "ray" if self.cache_dir else None)
+            self.ray.enter_context(ray_session(self.config, self.cache_dir / "ray" if self.cache_dir else None))
             self.pool = RayPool(
                 self.config, self.store, cache_dir=self.cache_dir / "policies" if self.cache_dir else None, run=self.run
             )
@@ -655,7 +671,4 @@ class PoolOnDemand:
             self.pool.close()
             if self.run and self.release_on_exit:
                 free_pool(*self.run)
-        if self.started_ray:
-            import ray  # noqa: PLC0415
-
-            ray.shutdown()
+        self.ray.close()

@@ -198,11 +198,8 @@ class Store:
         return Artifact(self, path, *_parse_manifest(raw, self.uri(path, MANIFEST)))
 
     def fingerprint(self, path: str, ignore: tuple[str, ...] = ()) -> str:
-        """A hash of the artifact's content (its files' names and sha256 from the manifest,
-        except the ``ignore``d names): equal for two artifacts exactly when their files are."""
-        files = self.open(path).files.items()
-        entries = sorted((name, entry.sha256) for name, entry in files if name not in ignore)
-        return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+        """The fingerprint of the artifact at ``path`` (``Artifact.fingerprint``)."""
+        return self.open(path).fingerprint(ignore)
 
     def list(self, prefix: str = "") -> list[str]:
         """Paths of the complete artifacts under ``prefix``, sorted."""
@@ -358,6 +355,12 @@ class Artifact:
         if hashlib.sha256(data).hexdigest() != entry.sha256:
             raise CorruptArtifact(f"{location}: sha256 differs from the manifest (modified?)")
         return data
+
+    def fingerprint(self, ignore: tuple[str, ...] = ()) -> str:
+        """A hash of the artifact's content (its files' names and sha256 from the manifest,
+        except the ``ignore``d names): equal for two artifacts exactly when their files are."""
+        entries = sorted((name, entry.sha256) for name, entry in self.files.items() if name not in ignore)
+        return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 
     def check_sizes(self) -> None:
         """Refuse, without reading them, files that are missing or whose size differs from the

@@ -158,12 +158,12 @@ def read_checkpoint(config: DrmasConfig, store: Store, path: str) -> ResumePoint
             if kind == "optim" and entry.get("optim_manifest") is None:
                 continue
             try:
-                found = store.fingerprint(entry[kind])
+                artifact = store.open(entry[kind])
             except ArtifactNotFound:
                 raise CorruptArtifact(f"{store.uri(entry[kind])}: named by {where} but missing") from None
-            if found != entry[f"{kind}_manifest"]:
+            if artifact.fingerprint() != entry[f"{kind}_manifest"]:
                 raise CorruptArtifact(f"{store.uri(entry[kind], MANIFEST)}: differs from what {where} recorded")
-            store.open(entry[kind]).check_sizes()
+            artifact.check_sizes()
         policies[group.name], optims[group.name] = PolicyRef(entry["policy"]), PolicyRef(entry["optim"])
         check_policy(group, store, policies[group.name])
     return ResumePoint(record["iteration"] + 1, policies, optims)

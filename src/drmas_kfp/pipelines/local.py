@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TextIO
 
 from drmas.config import DrmasConfig
-from drmas.generation.pool import RAY_ADDRESS, connect_ray
+from drmas.generation.pool import RAY_ADDRESS, ray_session
 
 __all__ = ["DEFAULT_ROOT", "TaskLog", "run_local", "shared_ray"]
 
@@ -162,11 +162,9 @@ def shared_ray(config: DrmasConfig) -> Iterator[None]:
         return
     import ray  # noqa: PLC0415
 
-    started = connect_ray(config)
-    os.environ[RAY_ADDRESS] = ray.get_runtime_context().gcs_address
-    try:
-        yield
-    finally:
-        del os.environ[RAY_ADDRESS]
-        if started:
-            ray.shutdown()
+    with ray_session(config):
+        os.environ[RAY_ADDRESS] = ray.get_runtime_context().gcs_address
+        try:
+            yield
+        finally:
+            del os.environ[RAY_ADDRESS]
