@@ -119,7 +119,7 @@ def test_published_models_have_their_published_sizes():
 
 def test_a_model_it_cannot_size_is_named_with_how_to_supply_its_numbers(capsys):
     with pytest.raises(
-        PlanError, match=r"cannot size model 'acme/unknown-7b'.*huggingface-cli download acme/unknown-7b"
+        PlanError, match=r"cannot size model 'acme/unknown-7b'.*hf download acme/unknown-7b config.json"
     ):
         plan_memory(load_config(MATH_RECIPE, ["models.qwen3-4b.source=acme/unknown-7b"]))
     assert main(["plan", MATH_RECIPE, "models.qwen3-4b.source=acme/unknown-7b"]) == 2

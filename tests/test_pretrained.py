@@ -30,6 +30,7 @@ from drmas.config import ConfigError, ModelSpec, PolicyError, SamplingConfig, Ta
 from drmas.generation.workers import GenerationResult, PolicyRef, WorkerGroupRuntime
 from drmas.infra.store import Store
 from drmas.models import build_scratch_policy, chat_prompt, load_model, load_tokenizer, takes_system_message
+from drmas.planning import PlanError, architecture_of
 from drmas.stages import warmstart
 from drmas.stages.policies import init_policies
 from drmas.stages.rollout import build_team, play
@@ -139,6 +140,32 @@ def test_a_model_neither_cached_nor_reachable_is_named_with_the_fix(offline_hub,
 def test_an_invalid_hub_id_is_named():
     with pytest.raises(PolicyError, match=r"^not a/valid id: neither a local folder nor a hub id"):
         load_model("not a/valid id")
+
+
+@pytest.mark.parametrize(("revision", "layers"), [(None, 2), ("main", 2), ("dev", 5), (DEV_COMMIT, 5)])
+def test_the_memory_plan_sizes_the_pinned_revision(offline_hub, monkeypatch, tmp_path, revision, layers):
+    """``drmas plan`` reads the config.json that the weights load from: the pinned revision's
+    in the cache, not main's (here dev's model is deeper)."""
+    for branch, depth in (("main", 2), ("dev", 5)):
+        folder = tmp_path / branch
+        folder.mkdir()
+        numbers = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 1000}
+        (folder / "config.json").write_text(json.dumps({**numbers, "num_hidden_layers": depth}))
+    cache = tmp_path / "hub"
+    lay_out_in_hub_cache(
+        cache,
+        "acme/deep",
+        {MAIN_COMMIT: tmp_path / "main", DEV_COMMIT: tmp_path / "dev"},
+        {"main": MAIN_COMMIT, "dev": DEV_COMMIT},
+    )
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    architecture, where = architecture_of("deep", ModelSpec(source="acme/deep", revision=revision))
+    assert architecture.num_hidden_layers == layers
+    assert where.endswith(f"snapshots/{DEV_COMMIT if layers == 5 else MAIN_COMMIT}/config.json")
+    with pytest.raises(
+        PlanError, match=r"'acme/deep' at revision 'v9'.*hf download acme/deep config.json --revision v9"
+    ):
+        architecture_of("deep", ModelSpec(source="acme/deep", revision="v9"))
 
 
 def test_init_policy_stores_the_pinned_revision_with_its_template(offline_hub, tmp_path):
