@@ -23,6 +23,7 @@ import pytest
 from drmas.config import DataConfig
 from drmas.stages.evaluate import source_label, success_at_k
 from drmas.tasks import DataError, Question
+from drmas.tasks.files import default_source
 from drmas.tasks.math import load_math_questions, math_reward
 from drmas.tasks.search import load_qa
 from drmas.team.episodes import Episode
@@ -194,13 +195,13 @@ def test_gsm8k_jsonl_and_the_hubs_parquet_folder_read_the_same(tmp_path):
     jsonl = load_math_questions(
         _jsonl(tmp_path / "grade_school_math/train.jsonl", GSM8K_TRAIN), "train", DataConfig(), 0
     )
-    assert [q.answers for q in jsonl] == GSM8K_GOLD and {q.data_source for q in jsonl} == {"train"}
+    assert [q.answers for q in jsonl] == GSM8K_GOLD and {q.data_source for q in jsonl} == {"grade_school_math"}
     main = tmp_path / "gsm8k" / "main"
     _parquet(main / "train-00000-of-00001.parquet", GSM8K_TRAIN)
     _parquet(main / "test-00000-of-00001.parquet", GSM8K_TEST)
     train = _load(str(main))
     assert [(q.question, q.answers) for q in train] == [(q.question, q.answers) for q in jsonl]
-    assert {q.data_source for q in train} == {"main"}  # the folder's name
+    assert {q.data_source for q in train} == {"gsm8k"}  # 'main' names the hub config, not the set
     assert [q.answers for q in _load(str(main), "eval")] == [("18",)]
     assert [q.answers for q in _load(str(main), "eval", DataConfig(eval_split="train"))] == GSM8K_GOLD
 
@@ -296,6 +297,24 @@ def test_dapo_reads_with_the_default_fields_as_a_file_and_as_its_repository(tmp_
     ]
     assert _load(str(path)) == expected
     assert _load(str(tmp_path / "DAPO-Math-17k"), "eval") == expected  # its one split, whatever its name
+
+
+@pytest.mark.parametrize(
+    ("name", "folder", "source"),
+    [
+        ("/data/gsm8k/main", True, "gsm8k"),
+        ("/data/grade_school_math/test.jsonl", False, "grade_school_math"),
+        ("/data/gsm8k/main/train-00000-of-00001.parquet", False, "gsm8k"),
+        (f"/hf/hub/datasets--openai--gsm8k/snapshots/{'a' * 40}/main", True, "gsm8k"),
+        ("s3://bucket/gsm8k/test.jsonl", False, "gsm8k"),
+        ("s3://bucket/test.jsonl", False, "test"),  # a bucket names no data set
+        ("/data/AIME_2024/aime_2024_problems.parquet", False, "aime_2024_problems"),
+        ("/data/gsm8k_disk", True, "gsm8k_disk"),
+    ],
+)
+def test_a_rows_default_source_names_the_set_not_its_split(name, folder, source):
+    """The eval's per-source metrics are named by it: ``eval/test/...`` would say nothing."""
+    assert default_source(name, folder) == source
 
 
 # --------------------------------------------------------------------------------------

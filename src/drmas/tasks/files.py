@@ -24,7 +24,8 @@ default and no row has it, the published forms are recognised: the question in
 ``problem`` (MATH), ``Problem`` (AIME) or a ``prompt`` chat (DAPO), the answer in
 ``Answer`` (AIME), ``golden_answers`` (NQ/HotpotQA), ``reward_model.ground_truth`` (DAPO)
 or ``solution`` (MATH). A row's qid is its ``id``; its data source is its
-``data_source``, else the file's stem or the folder's name.
+``data_source``, else the file's stem or the folder's name (the folder above when that
+names a split or a hub config: ``gsm8k/main/`` and ``gsm8k/test.jsonl`` are ``gsm8k``).
 
 A file is local, or an object on S3 named ``s3://bucket/key``, read with the store's S3
 settings (``store.endpoint``, else ``$DRMAS_S3_ENDPOINT``, then ``$AWS_ENDPOINT_URL``;
@@ -412,12 +413,37 @@ def read_rows(spec: str, store: StoreConfig | Store | None = None, split: Folder
         )
     if isinstance(location, DataFolder):
         rows = _folder_rows(location, split or FolderSplit())
-        source = Path(str(location.name).rstrip("/")).name
     else:
-        rows, source = _file_rows(location), Path(str(location.name)).stem
+        rows = _file_rows(location)
     if not rows:
         raise DataError(f"{location.name}: no rows")
-    return Rows(location.name, rows, source)
+    return Rows(location.name, rows, default_source(str(location.name), folder=isinstance(location, DataFolder)))
+
+
+GENERIC_NAMES = frozenset({"train", "test", "validation", "valid", "dev", "eval", "data", "main", "default"})
+"""File and folder names that say which split or hub config they hold, not which data set:
+a row's default source is named by the folder above them (``gsm8k/main/``, ``gsm8k/test.jsonl``)."""
+_HUB_REPO = re.compile(r"^datasets--[^/]+--(.+)$")
+"""A dataset repository's folder in the Hugging Face cache: ``datasets--ORG--NAME``."""
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def default_source(name: str, folder: bool) -> str:
+    """The data source of a row without one: the file's stem or the folder's name, else, when
+    that names a split, a shard or a hub config (``test``, ``train-00000-of-00001``,
+    ``main``), the nearest folder above that names the set (a cached hub repository's by its
+    NAME); the stem itself when none does."""
+    _, scheme, path = name.rpartition("://")
+    parts = [part for part in path.split("/") if part not in ("", ".", "..")]
+    above = parts[1:-1] if scheme else parts[:-1]  # a bucket names no data set
+    own = parts[-1] if folder else parts[-1].split(".", 1)[0]
+    for part in [own, *reversed(above)]:
+        repo = _HUB_REPO.match(part)
+        if repo:
+            return repo.group(1)
+        if _split_of(part).lower() not in GENERIC_NAMES and part != "snapshots" and not _COMMIT.match(part):
+            return part
+    return own
 
 
 def _folder_rows(folder: DataFolder, split: FolderSplit) -> list[tuple[str, dict[str, Any]]]:
