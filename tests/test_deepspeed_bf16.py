@@ -15,7 +15,9 @@ not those at step N: with the masters imported, its weights must follow from the
 (rounded, as DeepSpeed's step rounds them); the weights at step N are the masters rounded
 already, and would leave that untested. ZeRO-3 runs with DeepSpeed's default persistence
 threshold (parameters this small are kept whole once gathered) and, on two ranks, also
-with 0 (every parameter partitioned across the ranks).
+with 0 (every parameter partitioned across the ranks). Each case also saves a fresh
+engine's state before its first step (no moments yet: an update whose every step was
+skipped) and checks that N steps resumed from it end where the first N steps did.
 """
 
 from __future__ import annotations
@@ -108,6 +110,16 @@ for case in sys.argv[4].split(","):
     train(straight, M, N)
     end, end_weights = straight.export_state(), weights(straight)
     row = {"masters_saved": any(k.startswith("master/") for k in saved.tensors)}
+    # Saved before the first step (an update whose every step was skipped): no moments to
+    # gather yet; resumed from it, N steps end where the uninterrupted run's first N did.
+    unstepped = through_disk(engine(*build(stage, dtype), partition_all).export_state())
+    moments = [k for k in unstepped.tensors if k.startswith("optim/")]
+    row["unstepped_saves_no_moments"] = not unstepped.meta["steps"] and not moments
+    fresh = engine(*build(stage, dtype), partition_all)
+    fresh.import_state(unstepped)
+    train(fresh, N, 0)
+    row["from_unstepped_unequal_tensors"] = unequal(saved.tensors, through_disk(fresh.export_state()).tensors)
+    row["from_unstepped_unequal_weights"] = unequal(at_n, weights(fresh))
     if dtype == "float32":
         report[case] = row
         continue
@@ -149,6 +161,7 @@ def run_script(tmp_path: Path, cases: list[str], ranks: int) -> tuple[dict[str, 
 
 def assert_resumes_exactly(report: dict[str, dict]) -> None:
     for case, row in report.items():
+        assert_resumes_from_an_unstepped_state(case, row)
         assert row["masters_saved"] and row["masters_differ_from_weights"], case
         # With the masters: every tensor of the state (masters, moments, RNG) and every
         # bf16 weight equal the uninterrupted run's, and the imported weights are the
@@ -162,6 +175,13 @@ def assert_resumes_exactly(report: dict[str, dict]) -> None:
         assert row["without_masters_unequal_weights"], case
 
 
+def assert_resumes_from_an_unstepped_state(case: str, row: dict) -> None:
+    # ZeRO-1/2/3 have no moments before their first step (ZeRO-0's bf16 optimizer makes
+    # zeros when it is built).
+    assert row["unstepped_saves_no_moments"] or case[0] == "0", case
+    assert row["from_unstepped_unequal_tensors"] == [] and row["from_unstepped_unequal_weights"] == [], case
+
+
 @pytest.mark.slow
 def test_one_rank_resumes_from_the_masters_at_every_zero_stage(tmp_path):
     """ZeRO-0 (DeepSpeed's unfused optimizer keeps one fp32 copy per parameter), ZeRO-1
@@ -171,6 +191,8 @@ def test_one_rank_resumes_from_the_masters_at_every_zero_stage(tmp_path):
     report, log = run_script(tmp_path, cases, ranks=1)
     assert_resumes_exactly({case: report[case] for case in ("0", "1", "3")})
     assert not report["0-fp32"]["masters_saved"] and not report["1-fp32"]["masters_saved"]
+    for case in ("0-fp32", "1-fp32"):
+        assert_resumes_from_an_unstepped_state(case, report[case])
     assert log.count("holds no fp32 master weights") == 3  # once per import of such a state
 
 

@@ -375,21 +375,24 @@ class DeepSpeedEngine:
     def export_state(self) -> TrainState:
         """ZeRO-1/2/3 keep Adam's moments (and with bf16 the fp32 master weights) in flat
         partitions: gather them per parameter (a collective: every rank calls this), so the
-        saved state has one layout whatever the stage and the number of ranks."""
+        saved state has one layout whatever the stage and the number of ranks. Before the
+        optimizer's first step (an update whose every step was skipped) there are no moments
+        yet: the state says so as the torch engine's does (no steps), and DeepSpeed, which
+        cannot gather moments it has not made, is not asked for them."""
         if self.zero_stage == 0:
             return capture_state(self.model, self.optimizer, self.scheduler, self._zero0_masters())
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: PLC0415
 
         tensors: dict[str, torch.Tensor] = {"rng/torch": torch.get_rng_state()}
         trainable = _trainable(self.model)
+        stepped = any(flat in self.engine.optimizer.optimizer.state for flat in self._flat_partitions())
         for name, param in trainable.items():
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in ("exp_avg", "exp_avg_sq") if stepped else ():
                 tensors[f"optim/{name}/{key}"] = safe_get_full_optimizer_state(param, key).detach().cpu().contiguous()
             if self.bf16:
                 tensors[f"master/{name}"] = safe_get_full_fp32_param(param).detach().cpu().contiguous()
-        step = self._base_step()
-        meta = {"scheduler": scheduler_state(self.scheduler), "steps": dict.fromkeys(trainable, step)}
-        return TrainState(tensors, meta)
+        steps = dict.fromkeys(trainable, self._base_step()) if stepped else {}
+        return TrainState(tensors, {"scheduler": scheduler_state(self.scheduler), "steps": steps})
 
     def import_state(self, state: TrainState) -> None:
         """The moments, steps, scheduler and RNG; with bf16 the saved fp32 masters too, then
@@ -399,15 +402,29 @@ class DeepSpeedEngine:
             if restore_state(state, self.model, self.optimizer, self.scheduler, self._zero0_masters()):
                 self._weights_from_masters()
             return
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state  # noqa: PLC0415
+        from deepspeed.utils import safe_set_full_fp32_param  # noqa: PLC0415
 
         trainable = _trainable(self.model)
         shapes = {name: full_shape(param) for name, param in trainable.items()}
         if problem := state_mismatch(state, shapes):
             raise ValueError(problem)
-        # AdamW creates its moments at the first step: create them as it would (zeros) on
-        # the flat partitions. ZeRO-1/2 link per-parameter views of them only then: link
-        # them with DeepSpeed's own lazy hook (0.19); ZeRO-3 reads the flat state directly.
+        if state.meta["steps"]:  # none: saved before the first step, the optimizer stays fresh
+            self._import_moments(state, trainable)
+        masters = saved_masters(state, trainable) if self.bf16 else None
+        if masters is not None:
+            for name, param in trainable.items():
+                safe_set_full_fp32_param(param, masters[name])  # this rank's partition of it
+            self._weights_from_masters()
+        restore_scheduler(self.scheduler, self.engine.optimizer, state.meta)
+        torch.set_rng_state(state.tensors["rng/torch"])
+
+    def _import_moments(self, state: TrainState, trainable: dict[str, torch.nn.Parameter]) -> None:
+        """Adam's moments and step count into this rank's flat partitions. AdamW creates its
+        moments at the first step: create them as it would (zeros) on the flat partitions.
+        ZeRO-1/2 link per-parameter views of them only then: link them with DeepSpeed's own
+        lazy hook (0.19); ZeRO-3 reads the flat state directly."""
+        from deepspeed.utils import safe_set_full_optimizer_state  # noqa: PLC0415
+
         base = self.engine.optimizer.optimizer
         for flat in self._flat_partitions():
             base.state[flat] = {
@@ -423,13 +440,6 @@ class DeepSpeedEngine:
         step = next(iter(state.meta["steps"].values()), 0.0)
         for slot in base.state.values():
             slot["step"] = torch.tensor(step)
-        masters = saved_masters(state, trainable) if self.bf16 else None
-        if masters is not None:
-            for name, param in trainable.items():
-                safe_set_full_fp32_param(param, masters[name])  # this rank's partition of it
-            self._weights_from_masters()
-        restore_scheduler(self.scheduler, self.engine.optimizer, state.meta)
-        torch.set_rng_state(state.tensors["rng/torch"])
 
     def _zero0_masters(self) -> dict[str, torch.Tensor] | None:
         """ZeRO-0 with bf16: the fp32 copy that DeepSpeed's ``FP16_UnfusedOptimizer`` keeps
