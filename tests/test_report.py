@@ -51,6 +51,30 @@ def test_report_draws_what_the_metrics_hold(tmp_path):
     assert all(path.read_bytes().startswith(b"\x89PNG") for path in files if path.suffix == ".png")
     text = (tmp_path / "report" / "report.md").read_text()
     assert "the table" in text and "![lemma](lemma.png)" in text
+    # per-agent eval metrics are not data sources, and one source draws nothing more
+    history[0][1].update({"eval/gsm8k/avg_at_4": 0.25, "eval/agent/solver/avg_at_4": 0.5})
+    assert "eval_by_source.png" not in {path.name for path in write_report(config, history, tmp_path / "one", "")}
+
+
+def test_an_eval_over_several_sources_is_drawn_per_source(tmp_path, monkeypatch):
+    """MATH-500 and AIME move apart; the overall figure hides which one moved."""
+    from matplotlib.axes import Axes
+
+    drawn: dict[str, list[float]] = {}
+    real_plot = Axes.plot
+    monkeypatch.setattr(
+        Axes, "plot", lambda axis, x, y, **kw: drawn.update({kw["label"]: list(y)}) or real_plot(axis, x, y, **kw)
+    )
+    every_step = {"eval/avg_at_4": 0.3, "eval/math500/pass_at_4": 0.9}
+    history = [
+        (step, {**every_step, "eval/math500/avg_at_4": math500, "eval/aime24/avg_at_4": aime24})
+        for step, math500, aime24 in ((0, 0.4, 0.1), (2, 0.6, 0.05))
+    ]
+    files = write_report(load_config(CONFIG), history, tmp_path, "")
+    assert tmp_path / "eval_by_source.png" in files
+    assert "![eval_by_source](eval_by_source.png)" in (tmp_path / "report.md").read_text()
+    # each source's line, as last drawn: math500's pass@4, aime24's avg@4 (it has no pass@4)
+    assert drawn["math500"] == [0.9, 0.9] and drawn["aime24"] == [0.1, 0.05]
 
 
 def test_a_figure_without_data_is_left_out(tmp_path):

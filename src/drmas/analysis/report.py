@@ -9,6 +9,8 @@ wrote into the store, not from MLflow: a resumed run, a run whose tracking serve
 and a run on another machine all get the same report. Figures:
 
 - ``reward.png``: mean reward and each agent's, per iteration, and eval avg@k / pass@k;
+- ``eval_by_source.png``: avg@k and pass@k per data source, when the eval set has several
+  (MATH-500, AIME and AMC move apart, and the overall figure hides which moved);
 - ``grad_norms.png``: per-agent gradient norms (``diagnostics.per_agent_grad_norm``) or,
   without them, per-worker-group ones;
 - ``advantages.png``: each agent's advantage mean and standard deviation;
@@ -122,6 +124,15 @@ def write_report(config: DrmasConfig, history: History, out_dir: Path, summary_t
             ([(f"avg@{k}", f"eval/avg_at_{k}"), (f"pass@{k}", f"eval/pass_at_{k}")], "evaluation", "success"),
         ],
     )
+    sources = _names(history, rf"eval/([^/]+)/avg_at_{k}")
+    if len(sources) > 1:  # one source is the overall figure again
+        figure(
+            "eval_by_source.png",
+            [
+                ([(s, f"eval/{s}/avg_at_{k}") for s in sources], f"avg@{k} per data source", "success"),
+                ([(s, f"eval/{s}/pass_at_{k}") for s in sources], f"pass@{k} per data source", "success"),
+            ],
+        )
     per_agent = _names(history, r"agent/([^/]+)/grad_norm")
     norms = [(a, f"agent/{a}/grad_norm") for a in per_agent] or [(g, f"wg/{g}/grad_norm") for g in groups]
     figure(
