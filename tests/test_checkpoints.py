@@ -6,12 +6,12 @@ a resume starts from the latest iteration whose optimizer state was stored."""
 from __future__ import annotations
 
 import pytest
+from helpers import ROOT
 
 from drmas.config import load_config
 from drmas.infra.layout import PolicyRef, optim_path, policy_path, run_path
 from drmas.infra.store import Store
 from drmas.stages.checkpoint import checkpoint, prune_optimizer_states
-from tests.helpers import ROOT
 
 RUN = "run"
 

@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tests.helpers import ROOT, TINY_OVERRIDES, free_port
+from helpers import ROOT, TINY_OVERRIDES, free_port
 
 pytestmark = pytest.mark.slow
 
