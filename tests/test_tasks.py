@@ -17,6 +17,7 @@ import pytest
 
 from drmas.config import ConfigError, DataConfig, DrmasConfig, StoreConfig, load_config
 from drmas.generation.workers import GenerationResult
+from drmas.infra import store as store_module
 from drmas.infra.schema import TRAJECTORY_SCHEMA
 from drmas.infra.store import Store
 from drmas.registry import BUILTIN_TASKS, get_task, task_for
@@ -335,8 +336,8 @@ def test_a_corpus_on_s3_is_streamed(s3_env, s3_data, monkeypatch):
     """The first passage comes after the first reads, not after the whole object."""
     uri = s3_data("corpus.jsonl", CORPUS)
     reads = []
-    read_at = files._read_at
-    monkeypatch.setattr(files, "_read_at", lambda *args: reads.append(args[-1]) or read_at(*args))
+    read_at = store_module._read_at
+    monkeypatch.setattr(store_module, "_read_at", lambda *args: reads.append(args[-1]) or read_at(*args))
     passages = iter_corpus(uri, StoreConfig(endpoint=s3_env.endpoint))
     assert next(passages).pid == "d1"
     assert reads == [7 * index for index in range(len(reads))]  # consecutive ranged reads

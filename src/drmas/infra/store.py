@@ -47,7 +47,7 @@ import posixpath
 import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -217,6 +217,31 @@ class Store:
         self._call(self._delete_if_present, self._abs(path, MANIFEST), pafs.FileType.File, retry=retry)
         self._call(self._delete_if_present, self._abs(path), pafs.FileType.Directory, retry=retry)
 
+    # Plain objects, outside the artifact layout (question files and corpora named by an
+    # s3:// URI): named by their filesystem path, ``bucket/key`` on S3.
+
+    def object_info(self, target: str | pafs.FileSelector) -> Any:
+        """The filesystem's FileInfo of ``target``, or the list of every entry under a
+        FileSelector; retried as the store's own calls are."""
+        return self._call(self.fs.get_file_info, target)
+
+    def read_object(self, key: str) -> bytes:
+        """A whole object; FileNotFoundError when there is none."""
+        return self._read(key)
+
+    def object_chunks(self, key: str, size: int, chunk_bytes: int) -> Iterator[bytes]:
+        """The first ``size`` bytes of an object in ranged reads of ``chunk_bytes``, each
+        retried alone (a read at an offset is idempotent), never held whole; it stops early
+        when the object ends first (the caller counts what it got)."""
+        offset = 0
+        with self._call(self.fs.open_input_file, key) as handle:
+            while offset < size:
+                chunk = self._call(_read_at, key, handle, min(chunk_bytes, size - offset), offset)
+                if not chunk:
+                    return
+                offset += len(chunk)
+                yield chunk
+
     # ----------------------------------------------------------------------------------
 
     def _abs(self, path: str, name: str | None = None) -> str:
@@ -325,6 +350,11 @@ class Store:
         info = self._call(self._info_unless_nothing_listens, bucket)
         if info.type == pafs.FileType.NotFound:
             raise StoreError(f"bucket {bucket!r} does not exist at {self.endpoint or 'AWS'}; create it first")
+
+
+def _read_at(key: str, handle: pa.NativeFile, size: int, offset: int) -> bytes:
+    """``size`` bytes of ``handle`` from ``offset`` (``key`` first: the store's messages name it)."""
+    return handle.read_at(size, offset)
 
 
 @dataclass

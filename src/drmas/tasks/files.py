@@ -139,7 +139,7 @@ class DataFile:
             return self.path.read_bytes()
         assert self.s3 is not None
         try:
-            return self.s3._read(self.key)
+            return self.s3.read_object(self.key)
         except FileNotFoundError:
             raise DataError(f"{self.name}: file not found") from None
         except StoreError as error:
@@ -149,15 +149,13 @@ class DataFile:
         """The object in ranged reads of S3_CHUNK_BYTES, each retried as the store retries
         a whole read (a read at an offset is idempotent)."""
         assert self.s3 is not None
-        s3, offset = self.s3, 0
+        offset = 0
         try:
-            with s3._call(s3.fs.open_input_file, self.key) as handle:
-                while offset < self.size:
-                    chunk = s3._call(_read_at, self.key, handle, min(S3_CHUNK_BYTES, self.size - offset), offset)
-                    if not chunk:
-                        raise DataError(f"{self.name}: ended at byte {offset} of {self.size} (changed while read?)")
-                    offset += len(chunk)
-                    yield chunk
+            for chunk in self.s3.object_chunks(self.key, self.size, S3_CHUNK_BYTES):
+                offset += len(chunk)
+                yield chunk
+            if offset < self.size:
+                raise DataError(f"{self.name}: ended at byte {offset} of {self.size} (changed while read?)")
         except FileNotFoundError:
             raise DataError(f"{self.name}: file not found") from None
         except StoreError as error:
@@ -190,7 +188,7 @@ class DataFolder:
             assert self.s3 is not None
             selector = pafs.FileSelector(self.key, recursive=True)
             try:
-                infos = self.s3._call(self.s3.fs.get_file_info, selector)
+                infos = self.s3.object_info(selector)
             except StoreError as error:
                 raise DataError(f"{self.name}: {error}") from None
             files = (info for info in infos if info.type == pafs.FileType.File)
@@ -202,11 +200,6 @@ class DataFolder:
             }
         visible = (name for name in found if not any(part.startswith(".") for part in name.split("/")))
         return {name: found[name] for name in sorted(visible)}
-
-
-def _read_at(key: str, handle: pa.NativeFile, size: int, offset: int) -> bytes:
-    """``size`` bytes of ``handle`` from ``offset`` (``key`` names it in the store's messages)."""
-    return handle.read_at(size, offset)
 
 
 def _split_lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
@@ -268,7 +261,7 @@ def _s3_entry(spec: str, store: StoreConfig | Store | None) -> tuple[Store, pafs
     endpoint, region = (store.endpoint, store.region) if store is not None else (None, "us-east-1")
     try:
         s3 = Store(f"s3://{bucket}", endpoint, region)
-        return s3, s3._call(s3.fs.get_file_info, f"{bucket}/{match.group(2)}")
+        return s3, s3.object_info(f"{bucket}/{match.group(2)}")
     except StoreError as error:
         raise DataError(f"{spec}: {error}") from None
 
