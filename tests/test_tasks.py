@@ -3,6 +3,7 @@ example of docs/tasks.md) run through the rollout stage without a change to drma
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -344,6 +345,18 @@ def test_a_corpus_on_s3_is_streamed(s3_env, s3_data, monkeypatch):
     assert 0 < len(reads) * 7 < len(CORPUS) / 2
     assert [p.pid for p in passages] == ["2", "5", "7"]
     assert reads == [7 * index for index in range(-(-len(CORPUS) // 7))]
+
+
+@pytest.mark.s3
+def test_an_object_cut_while_it_is_streamed_is_named(s3_env, s3_data):
+    """Its size was read when it was opened; a shorter object after that is an error that
+    says where it ended, not a corpus that silently lost its tail."""
+    uri = s3_data("corpus.jsonl", CORPUS)
+    found = files.open_location(uri, StoreConfig(endpoint=s3_env.endpoint))
+    assert isinstance(found, files.DataFile) and found.size == len(CORPUS)
+    longer = dataclasses.replace(found, size=len(CORPUS) + 5)  # as if it were cut after the size was read
+    with pytest.raises(DataError, match=rf"^{re.escape(uri)}: ended at byte {len(CORPUS)} of {len(CORPUS) + 5} "):
+        list(longer.lines())
 
 
 @pytest.mark.s3
