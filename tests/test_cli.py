@@ -164,6 +164,14 @@ def test_stage_takes_only_the_stages_of_an_iteration(capsys):
     )
 
 
+@pytest.mark.parametrize(("count", "problem"), [("0", "0: a run part takes at least 1"), ("x", "'x' is not a whole")])
+def test_iterations_takes_a_count_of_at_least_one(tmp_path, count, problem, capsys):
+    status, _, err = drmas(capsys, "compile", MATH, "--iterations", count, "-o", str(tmp_path / "p.yaml"))
+    assert status == 2
+    assert f"drmas compile: error: argument --iterations: {problem}" in err
+    assert not (tmp_path / "p.yaml").exists()
+
+
 @pytest.mark.parametrize("command", ["rerun", "eval"])
 def test_run_id_and_iteration_have_help(command, capsys):
     status, out, _ = drmas(capsys, command, "--help")

@@ -203,3 +203,18 @@ def test_no_credentials_field_exists():
     """Secrets come from the environment; a config that tries to carry them is rejected."""
     found = problems("store.secret_key=abc", "tracking.token=abc")
     assert {p.split(":")[0] for p in found} == {"override store.secret_key", "override tracking.token"}
+
+
+@pytest.mark.parametrize(
+    ("start", "count", "expected"), [(0, None, [0, 1, 2, 3, 4]), (1, 2, [1, 2]), (3, 9, [3, 4]), (2, 0, [2, 3, 4])]
+)
+def test_a_run_part_ends_at_its_count_or_the_last_iteration(start, count, expected):
+    """What the runner, the train pipeline and `drmas submit`'s parts cut a run by."""
+    config = load_config(MATH, ["experiment.iterations=5"])
+    assert list(config.iterations_from(start, count)) == expected
+
+
+@pytest.mark.parametrize(("every", "evaluated"), [(2, [1, 3, 4]), (5, [4]), (0, [])])
+def test_an_evaluation_ends_every_nth_iteration_and_the_last(every, evaluated):
+    config = load_config(MATH, ["experiment.iterations=5", f"eval.every={every}"])
+    assert [i for i in range(5) if config.evaluates(i)] == evaluated

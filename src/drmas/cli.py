@@ -552,6 +552,17 @@ def _pool(args: argparse.Namespace) -> int:
         ray.shutdown()
 
 
+def _iteration_count(text: str) -> int:
+    """--iterations: a whole number of at least 1 (0 or less would train nothing)."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of iterations") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{count}: a run part takes at least 1 iteration")
+    return count
+
+
 def _device_memory(text: str) -> int:
     """--device-memory as bytes; a bad size is a usage error naming the text."""
     from drmas.planning import PlanError, parse_size  # noqa: PLC0415
@@ -621,7 +632,7 @@ def _pipeline_options(command: argparse.ArgumentParser, run_id: bool = True) -> 
     )
     command.add_argument(
         "--iterations",
-        type=int,
+        type=_iteration_count,
         metavar="N",
         help="train: at most N iterations from the start (default: up to experiment.iterations); "
         "split long runs: KFP keeps a run's whole spec, about 37 KiB per iteration",
@@ -715,8 +726,7 @@ def _cluster_options(command: argparse.ArgumentParser) -> None:
 def _parts(args: argparse.Namespace, config: DrmasConfig) -> list[tuple[int, int]]:
     """(first iteration, iterations) of each KFP run a train submission takes."""
     start = args.start_iteration
-    total = config.experiment.iterations
-    end = total if args.iterations is None else min(total, start + args.iterations)
+    end = config.iterations_from(start, args.iterations).stop
     size = args.iterations_per_run
     if args.pipeline != "train" or size <= 0 or end - start <= size or start >= end:
         return [(start, args.iterations)] if args.pipeline == "train" else [(start, 0)]
@@ -749,28 +759,17 @@ def _next_part_command(
 
 
 def _compile_or_submit(args: argparse.Namespace) -> int:
-    import tempfile  # noqa: PLC0415
-
+    """``drmas compile`` and ``drmas submit``: the pipeline built from the config and
+    compiled for --kfp-backend, then written (compile) or started on Kubeflow (submit: a
+    train run longer than --iterations-per-run starts its first part and prints the rest)."""
     config = _load(args, logs=False)
     if (refused := _refuse_unless_it_fits(args.command, config)) is not None:
         return refused
     run_id = _run_id(args, config)
     try:
-        from drmas_kfp.components.images import resolve_images  # noqa: PLC0415
-        from drmas_kfp.pipelines.platform import check_backend, for_backend  # noqa: PLC0415
-    except ImportError:
-        resolve_images = None  # _build_pipeline says why
-    if resolve_images is not None:
-        try:
-            check_backend(args.kfp_backend)
-            resolved = resolve_images(args.image_registry, args.image_tag)
-        except ValueError as error:
-            return _fail(args.command, error)
-        for warning in resolved.warnings:
-            print(f"drmas {args.command}: warning: {warning}", file=sys.stderr)
-        images = resolved.images
-    else:
-        images = {}
+        images = _pipeline_images(args)
+    except ValueError as error:
+        return _fail(args.command, error)
     if args.iterations_per_run < 0:
         return _fail(args.command, f"--iterations-per-run must be 0 (no limit) or more, not {args.iterations_per_run}")
     parts = _parts(args, config) if args.command == "submit" else [(args.start_iteration, args.iterations)]
@@ -779,54 +778,79 @@ def _compile_or_submit(args: argparse.Namespace) -> int:
     if built is None:
         return 2
     func, arguments = built
-    from drmas_kfp.pipelines.build import compile_pipeline  # noqa: PLC0415
-
-    what = f"{args.pipeline} pipeline {func.name}"
-
-    def compile_for_backend(path: Path) -> Path | None:
-        compile_pipeline(func, path)
-        try:
-            changes = for_backend(path, args.kfp_backend)
-        except ValueError as error:
-            _fail(args.command, error)
-            return None
-        for change in changes:
-            print(f"drmas {args.command}: for KFP {args.kfp_backend}: {change}", file=sys.stderr)
-        return path
-
-    def warn_if_large(path: Path, iterations: int) -> None:
-        if args.iterations_per_run and iterations > args.iterations_per_run:
-            print(
-                f"drmas {args.command}: warning: the pipeline runs {iterations} iterations, more than "
-                f"--iterations-per-run {args.iterations_per_run}; KFP keeps a run's whole spec (its database, "
-                "the Argo workflow in etcd: 1.5 MiB): drmas submit runs it in parts, or compile parts with "
-                "--start-iteration K --iterations N",
-                file=sys.stderr,
-            )
-        elif path.stat().st_size > LARGE_PIPELINE:
-            print(
-                f"drmas {args.command}: warning: the compiled pipeline is {path.stat().st_size >> 20} MiB; "
-                "KFP keeps a run's whole spec (its database, the Argo workflow in etcd: 1.5 MiB): run it in "
-                "parts with --iterations N and --start-iteration K",
-                file=sys.stderr,
-            )
-
-    total = config.experiment.iterations
     iterations = (
-        (min(total, first + count) if count else total) - first
-        if args.pipeline == "train"
-        else int(args.pipeline == "rl_iteration")
+        len(config.iterations_from(first, count)) if args.pipeline == "train" else int(args.pipeline == "rl_iteration")
     )
-    if args.command == "compile":
-        if compile_for_backend(Path(args.output)) is None:
-            return 2
-        path = Path(args.output)
-        warn_if_large(path, iterations)
-        print(f"compiled the {what} to {path}")
+    if args.command == "submit":
+        return _submit(args, config, run_id, images, parts, func, arguments, iterations)
+    try:
+        path = _compiled(args, func, Path(args.output), iterations)
+    except ValueError as error:
+        return _fail(args.command, error, 2)
+    print(f"compiled the {args.pipeline} pipeline {func.name} to {path}")
+    print(f"parameters: {', '.join(f'{k}={v}' for k, v in arguments.items() if k != 'config_json')} (and config_json)")
+    return 0
+
+
+def _pipeline_images(args: argparse.Namespace) -> dict[str, str]:
+    """The images the pipeline's tasks run (--image-registry/--image-tag, else the last
+    images/build.sh), its warnings printed; ValueError for an unknown --kfp-backend or
+    images it cannot name. Nothing when the Kubeflow layer is not installed
+    (``_build_pipeline`` says why)."""
+    try:
+        from drmas_kfp.components.images import resolve_images  # noqa: PLC0415
+        from drmas_kfp.pipelines.platform import check_backend  # noqa: PLC0415
+    except ImportError:
+        return {}
+    check_backend(args.kfp_backend)
+    resolved = resolve_images(args.image_registry, args.image_tag)
+    for warning in resolved.warnings:
+        print(f"drmas {args.command}: warning: {warning}", file=sys.stderr)
+    return resolved.images
+
+
+def _compiled(args: argparse.Namespace, func: typing.Any, path: Path, iterations: int) -> Path:
+    """The pipeline compiled to ``path`` for --kfp-backend, the changes that backend needs
+    printed (ValueError: it cannot run there), and a warning when it is too large for one
+    KFP run."""
+    from drmas_kfp.pipelines.build import compile_pipeline  # noqa: PLC0415
+    from drmas_kfp.pipelines.platform import for_backend  # noqa: PLC0415
+
+    compile_pipeline(func, path)
+    for change in for_backend(path, args.kfp_backend):
+        print(f"drmas {args.command}: for KFP {args.kfp_backend}: {change}", file=sys.stderr)
+    if args.iterations_per_run and iterations > args.iterations_per_run:
         print(
-            f"parameters: {', '.join(f'{k}={v}' for k, v in arguments.items() if k != 'config_json')} (and config_json)"
+            f"drmas {args.command}: warning: the pipeline runs {iterations} iterations, more than "
+            f"--iterations-per-run {args.iterations_per_run}; KFP keeps a run's whole spec (its database, "
+            "the Argo workflow in etcd: 1.5 MiB): drmas submit runs it in parts, or compile parts with "
+            "--start-iteration K --iterations N",
+            file=sys.stderr,
         )
-        return 0
+    elif path.stat().st_size > LARGE_PIPELINE:
+        print(
+            f"drmas {args.command}: warning: the compiled pipeline is {path.stat().st_size >> 20} MiB; "
+            "KFP keeps a run's whole spec (its database, the Argo workflow in etcd: 1.5 MiB): run it in "
+            "parts with --iterations N and --start-iteration K",
+            file=sys.stderr,
+        )
+    return path
+
+
+def _submit(
+    args: argparse.Namespace,
+    config: DrmasConfig,
+    run_id: str,
+    images: dict[str, str],
+    parts: list[tuple[int, int]],
+    func: typing.Any,
+    arguments: dict[str, typing.Any],
+    iterations: int,
+) -> int:
+    """Start the pipeline (the first of ``parts``) as a KFP run, and print how to submit
+    each later part."""
+    import tempfile  # noqa: PLC0415
+
     from drmas_kfp.pipelines.submit import submit  # noqa: PLC0415
 
     if not config.store.root.startswith("s3://"):
@@ -835,18 +859,21 @@ def _compile_or_submit(args: argparse.Namespace) -> int:
             "see it only if it is a volume mounted there (use s3://bucket/prefix)",
             file=sys.stderr,
         )
+    first = parts[0][0]
     part = f"iterations {first}..{first + iterations - 1} (part 1/{len(parts)})" if len(parts) > 1 else ""
+    if part:
+        name = f"{args.run_name or run_id} {part}"
+    else:
+        name = args.run_name or f"{run_id} {args.pipeline}" + (
+            f" (force {', '.join(args.force)})" if args.force else ""
+        )
     with tempfile.TemporaryDirectory() as scratch:
-        path = compile_for_backend(Path(args.output) if args.output else Path(scratch) / "pipeline.yaml")
-        if path is None:
-            return 2
-        warn_if_large(path, iterations)
-        if len(parts) > 1:
-            name = f"{args.run_name or run_id} {part}"
-        else:
-            name = args.run_name or f"{run_id} {args.pipeline}" + (
-                f" (force {', '.join(args.force)})" if args.force else ""
+        try:
+            path = _compiled(
+                args, func, Path(args.output) if args.output else Path(scratch) / "pipeline.yaml", iterations
             )
+        except ValueError as error:
+            return _fail(args.command, error, 2)
         try:  # service account None: drmas-pipeline, or in a Profile namespace its default-editor
             kfp_run, url = submit(
                 path,
@@ -859,7 +886,8 @@ def _compile_or_submit(args: argparse.Namespace) -> int:
             )
         except Exception as error:
             return _fail("submit", f"could not start the run on {args.host}: {type(error).__name__}: {error}")
-    if len(parts) == 1:
+    what = f"{args.pipeline} pipeline {func.name}"
+    if not part:
         print(f"submitted the {what} as KFP run {kfp_run} (drmas run {run_id}): {url}")
         return 0
     print(f"submitted {part} of the {what} as KFP run {kfp_run} (drmas run {run_id}): {url}")
@@ -921,12 +949,10 @@ def _print_pipeline_summary(args: argparse.Namespace, config: DrmasConfig, run_i
     store = Store.from_config(config.store)
     steps = dict(run_history(config, store, run_id))
     first = args.start_iteration
-    last = (
-        first + 1
-        if args.pipeline == "rl_iteration"
-        else min(config.experiment.iterations, first + (args.iterations or config.experiment.iterations))
+    span = (
+        range(first, first + 1) if args.pipeline == "rl_iteration" else config.iterations_from(first, args.iterations)
     )
-    ran = [i for i in range(first, last) if i + 1 in steps]
+    ran = [i for i in span if i + 1 in steps]
     for i in ran:
         print(summary_line(i, steps[i + 1], config.eval.k))
     if not ran:

@@ -787,6 +787,19 @@ class DrmasConfig(Section):
                 return group
         raise KeyError(f"no worker group {name!r}; worker groups: {', '.join(g.name for g in self.worker_groups())}")
 
+    def iterations_from(self, start: int, count: int | None = None) -> range:
+        """The iterations a run (or one part of it) takes from ``start``: up to
+        ``experiment.iterations``, at most ``count`` of them (None or 0: no limit). The
+        embedded runner, the train pipeline and the CLI's parts all cut a run by it."""
+        total = self.experiment.iterations
+        return range(start, min(total, start + count) if count else total)
+
+    def evaluates(self, iteration: int) -> bool:
+        """Whether iteration ``iteration`` ends with an evaluation: every ``eval.every``
+        iterations and after the last (never with ``eval.every: 0``)."""
+        every = self.eval.every
+        return bool(every) and ((iteration + 1) % every == 0 or iteration == self.experiment.iterations - 1)
+
     def stores_optimizer(self, iteration: int) -> bool:
         """Whether iteration ``iteration``'s update stores its optimizer state
         (``checkpoint.every``): every N-th iteration, and the last one."""

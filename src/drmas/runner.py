@@ -127,7 +127,7 @@ def run_iteration(
     experiment = config.experiment.name
     began = time.perf_counter()
     out = IterationResult({}, {}, {}, {}, [])
-    evaluating = bool(config.eval.every) and ((i + 1) % config.eval.every == 0 or i == config.experiment.iterations - 1)
+    evaluating = config.evaluates(i)
     bar = tqdm(total=3 + len(policies) + evaluating, desc=f"iter {i}", unit="stage", leave=False, disable=None)
 
     def stage(name: str, contract: StageContract, compute) -> None:

@@ -111,12 +111,6 @@ def store_uri(config: DrmasConfig, path: str) -> str:
     return f"{root}/{path}"
 
 
-def evaluation_due(config: DrmasConfig, iteration: int) -> bool:
-    """The embedded runner's rule: every ``eval.every`` iterations and after the last."""
-    every = config.eval.every
-    return bool(every) and ((iteration + 1) % every == 0 or iteration == config.experiment.iterations - 1)
-
-
 class _Builder:
     """Creates the tasks of one pipeline: placed, named, and forced where asked."""
 
@@ -240,7 +234,7 @@ class _Builder:
             self.task("checkpoint", checkpoint, f"checkpoint {i}", forced)
             policies = checkpoint.outputs["checkpoint"]
             logged = {"checkpoint": policies}
-            if evaluation_due(self.config, i):
+            if self.config.evaluates(i):
                 logged["evaluation"] = self.evaluate(config_json, policies, f"evaluate {i}", i, run_id=run_id).outputs[
                     "results"
                 ]
@@ -321,7 +315,7 @@ def training_pipeline(
         raise ValueError(f"start iteration {start_iteration} is not in 0..{total - 1} (experiment.iterations={total})")
     if iterations is not None and iterations < 1:
         raise ValueError(f"iterations must be at least 1, not {iterations}")
-    last = total if iterations is None else min(total, start_iteration + iterations)
+    last = config.iterations_from(start_iteration, iterations).stop
     return _iteration_pipeline("train", config, run_id, start_iteration, last, force, placement, images)
 
 
