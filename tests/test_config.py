@@ -209,7 +209,7 @@ def test_no_credentials_field_exists():
     ("start", "count", "expected"), [(0, None, [0, 1, 2, 3, 4]), (1, 2, [1, 2]), (3, 9, [3, 4]), (2, 0, [2, 3, 4])]
 )
 def test_a_run_part_ends_at_its_count_or_the_last_iteration(start, count, expected):
-    """What the runner, the train pipeline and `drmas submit`'s parts cut a run by."""
+    """What the train pipeline and `drmas submit`'s parts cut a run by."""
     config = load_config(MATH, ["experiment.iterations=5"])
     assert list(config.iterations_from(start, count)) == expected
 

@@ -790,7 +790,7 @@ class DrmasConfig(Section):
     def iterations_from(self, start: int, count: int | None = None) -> range:
         """The iterations a run (or one part of it) takes from ``start``: up to
         ``experiment.iterations``, at most ``count`` of them (None or 0: no limit). The
-        embedded runner, the train pipeline and the CLI's parts all cut a run by it."""
+        train pipeline, ``drmas submit``'s parts and the kfp-local summary cut a run by it."""
         total = self.experiment.iterations
         return range(start, min(total, start + count) if count else total)
 
