@@ -12,7 +12,7 @@ import pytest
 import yaml
 from helpers import drmas
 
-from drmas import __version__
+from drmas import __version__, cli
 from drmas.config import load_config
 from drmas.infra.store import Store
 from drmas.runner import open_run
@@ -258,3 +258,24 @@ def test_rerun_of_one_worker_groups_update_recomputes_its_policy(tmp_path, monke
     assert status == 0, err
     assert stages == ["policy/verifier"]
     assert "recomputed: policy/verifier" in out
+
+
+@pytest.mark.parametrize(
+    ("native", "overrides", "warned"),
+    [
+        (False, ["models.tiny.dtype=bfloat16"], True),
+        (True, ["models.tiny.dtype=bfloat16"], False),  # AVX-512 or AMX
+        (False, [], False),  # float32
+        (False, ["models.tiny.dtype=bfloat16", "ray.pool_resource=GPU"], False),  # trains on GPUs
+    ],
+)
+def test_a_bf16_model_on_a_cpu_without_native_bf16_is_warned_about(native, overrides, warned, monkeypatch, capsys):
+    """Emulated bf16 took 12.6x float32's time on an AVX2-only CPU: the run says so and how
+    to switch, before it starts."""
+    monkeypatch.setattr("drmas.infra.cpus.native_bf16", lambda: native)
+    cli._warn_if_bf16_is_slow_here(load_config(MATH, overrides))
+    expected = "drmas run: warning: this CPU has no native bf16 (AVX-512 or AMX): the bfloat16 model(s) tiny "
+    assert (expected in capsys.readouterr().err) == warned
+    if warned:
+        cli._warn_if_bf16_is_slow_here(load_config(MATH, overrides))
+        assert "add models.tiny.dtype=float32\n" in capsys.readouterr().err

@@ -363,7 +363,28 @@ def _start_run(args: argparse.Namespace) -> tuple[DrmasConfig, str]:
     config = _load(args)
     run_id = _run_id(args, config)
     _print_worker_groups(config)
+    _warn_if_bf16_is_slow_here(config)
     return config, run_id
+
+
+def _warn_if_bf16_is_slow_here(config: DrmasConfig) -> None:
+    """A bfloat16 worker group on a pool of this machine's CPU, which has no native bf16:
+    say that it trains many times slower than float32 here, and how to switch."""
+    if config.ray.address or config.ray.pool_resource == "GPU":
+        return  # the pool is not this machine's CPU
+    groups = sorted({g.model for g in config.worker_groups() if g.spec is not None and g.spec.dtype == "bfloat16"})
+    if not groups:
+        return
+    from drmas.infra.cpus import native_bf16  # noqa: PLC0415 - imports torch
+
+    if native_bf16():
+        return
+    switch = " ".join(f"models.{model}.dtype=float32" for model in groups)
+    print(
+        f"drmas run: warning: this CPU has no native bf16 (AVX-512 or AMX): the bfloat16 model(s) "
+        f"{', '.join(groups)} will train about ten times slower than in float32 here; add {switch}",
+        file=sys.stderr,
+    )
 
 
 def _config(args: argparse.Namespace) -> int:
