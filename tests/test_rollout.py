@@ -18,6 +18,7 @@ import pytest
 
 from drmas.config import load_config
 from drmas.generation.pool import RayPool, WorkerGroupDied
+from drmas.generation.workers import WorkerGroupRuntime
 from drmas.infra.schema import TRAJECTORY_SCHEMA
 from drmas.infra.store import Store
 from drmas.models import load_tokenizer
@@ -183,6 +184,17 @@ assert connect_ray(config)
 print(ray.get_runtime_context().gcs_address, ray.cluster_resources().get("pool_slot"))
 ray.shutdown()
 """
+
+
+def test_a_worker_meets_its_group_in_its_own_temp_folder_which_it_makes(local_ray, tmp_path, monkeypatch):
+    """Rank 0's answer names the folder of the group's file rendezvous: the worker's
+    RAY_TMPDIR, made if missing. A rendezvous file in a folder nothing had made (the
+    driver's RAY_TMPDIR) waited out the whole collective timeout (600 s)."""
+    folder = tmp_path / "absent" / "ray"
+    monkeypatch.setenv("RAY_TMPDIR", str(folder))
+    config = load_config(CONFIGS / "math_tiny.yaml", [f"store.root={tmp_path / 'store'}"])
+    place = WorkerGroupRuntime(config.worker_groups()[0], config.store).rendezvous()
+    assert place["folder"] == str(folder) and folder.is_dir()
 
 
 def test_a_stage_process_joins_the_ray_that_ray_address_names(local_ray):

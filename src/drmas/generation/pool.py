@@ -454,8 +454,7 @@ class RayPool:
             return
         places = ray.get([worker.rendezvous.remote() for worker in workers])
         if len({place["node"] for place in places}) == 1:
-            folder = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir())
-            method = f"file://{folder / f'drmas-pg-{uuid.uuid4().hex}'}"
+            method = f"file://{Path(places[0]['folder']) / f'drmas-pg-{uuid.uuid4().hex}'}"
         else:
             method = f"tcp://{places[0]['ip']}:{places[0]['port']}"
         ray.get(

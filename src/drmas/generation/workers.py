@@ -22,6 +22,7 @@ import hashlib
 import os
 import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -197,14 +198,20 @@ class WorkerGroupRuntime:
     # -- the worker group's process group (data-parallel update) -------------------------
 
     def rendezvous(self) -> dict[str, Any]:
-        """Where this worker is (node and address) and a free port on it: rank 0's answer
-        is where its group's process group meets."""
+        """Where this worker is (node and address), a free port on it and its temporary
+        folder (``RAY_TMPDIR``, else the system's; made if missing): rank 0's answer is where
+        its group's process group meets, by TCP or, on one node, by a file in that folder.
+        The folder is the worker's own: a driver's RAY_TMPDIR may not exist where the workers
+        run, and a rendezvous file in a missing folder waited for its whole timeout."""
         import ray  # noqa: PLC0415 - only inside an actor
 
         with socket.socket() as probe:
             probe.bind(("", 0))
             port = probe.getsockname()[1]
-        return {"node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(), "port": port}
+        folder = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir())
+        folder.mkdir(parents=True, exist_ok=True)
+        node = ray.get_runtime_context().get_node_id()
+        return {"node": node, "ip": ray.util.get_node_ip_address(), "port": port, "folder": str(folder)}
 
     def join_group(self, init_method: str, rank: int, world: int, timeout_s: float) -> None:
         """Become rank ``rank`` of a ``world``-process group (gloo on CPU; gloo for CPU
