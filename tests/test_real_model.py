@@ -29,6 +29,7 @@ from helpers import drmas
 from safetensors.torch import load_file
 
 from drmas.cli import main
+from drmas.infra.cpus import native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 900
@@ -202,7 +203,13 @@ def test_import_help_names_its_arguments(capsys):
 # The imported model, trained for one iteration (full fine-tuning and LoRA), evaluated
 # --------------------------------------------------------------------------------------
 
+TRAIN_DTYPE = "bfloat16" if native_bf16() else "float32"
+"""The config's bf16 where this CPU computes it natively (AVX-512 or AMX); float32 where it
+would be emulated, which made the full run's one update take over ten minutes (an AVX2
+EPYC). Seed 1 gives a well-formed and a malformed Solver answer in both: bf16 on the AMX
+machines of earlier sessions, float32 on the EPYC ([False, False, False, True])."""
 CI_SETTINGS = (
+    f"models.smollm2.dtype={TRAIN_DTYPE}",
     "experiment.iterations=1",
     "eval.every=0",  # `drmas eval` evaluates the result below
     "rollout.prompts_per_iteration=2",
