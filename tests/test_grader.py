@@ -11,12 +11,15 @@ not an answer; units, notation and order of a list do not matter.
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
 import re
+import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -283,6 +286,32 @@ def test_a_slow_comparison_is_stopped_at_its_deadline_and_frees_the_worker():
     assert grade_answer(r"\frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt2}", timeout_s=30) is True
     assert time.perf_counter() - started < 5.0  # the slow job was stopped, not left running ahead
     assert grading._worker()._thread.is_alive()
+
+
+def test_a_dropped_deadline_is_not_reported_but_other_unraisables_are(monkeypatch):
+    """A deadline that lands in a weakref callback is dropped by Python and handed to
+    ``sys.unraisablehook`` (in CI, pytest's hook made it an error of an unrelated test).
+    Only the deadline is kept quiet: a ValueError raised the same way still reaches the
+    hook that was in place before."""
+    reported: list[BaseException | None] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: reported.append(unraisable.exc_value))
+    grading.quiet_dropped_deadlines()
+    grading.quiet_dropped_deadlines()  # wrapped once, not twice
+
+    class Target:
+        pass
+
+    for error in (grading._Deadline, ValueError):
+
+        def raise_it(_ref: object, error: type[BaseException] = error) -> None:
+            raise error("from a weakref callback")
+
+        target = Target()
+        kept = weakref.ref(target, raise_it)
+        del target
+        gc.collect()
+        assert kept() is None
+    assert [type(exc) for exc in reported] == [ValueError]
 
 
 def test_a_deadline_the_job_drops_is_raised_again_until_the_job_stops(monkeypatch):

@@ -45,6 +45,7 @@ import logging
 import os
 import queue
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -597,8 +598,29 @@ def _worker() -> _Worker:
             for name in ("math_verify.parser", "math_verify.grader"):
                 logging.getLogger(name).addFilter(_drop_timeout_warning)
             _verify(r"\frac{x}{2}+\sqrt{3}", r"\frac{3}{\sqrt{3}}+\frac{x}{2}")  # warm-up, outside any deadline
+            quiet_dropped_deadlines()
             _the_worker = _Worker()
         return _the_worker
+
+
+def quiet_dropped_deadlines() -> None:
+    """Keep a dropped ``_Deadline`` out of ``sys.unraisablehook``; report anything else.
+
+    When the watchdog's exception lands in a garbage-collector or weakref callback on the
+    worker thread, Python drops it and reports it as unraisable. That is expected (the
+    watchdog raises it again), but the default hook prints a traceback, and pytest's turns it
+    into an error of whichever test is running. The hook in place when this is called (the
+    default, or pytest's) is wrapped once and still receives every other unraisable."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_drmas_quiet_deadlines", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, _Deadline):
+            previous(unraisable)
+
+    hook._drmas_quiet_deadlines = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def _drop_timeout_warning(record: logging.LogRecord) -> bool:
