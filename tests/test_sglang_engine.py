@@ -10,23 +10,30 @@ load_format=None, flush_cache=True)`` returns ``(success, message)`` and, from 0
 only between ``begin_weight_update()`` and ``end_weight_update()`` (each ``(success,
 message)``); ``generate(input_ids=..., sampling_params=
 [one dict per request], return_logprob=True)`` returns one dict per request, in order. It
-records every call, and, as SGLang does, throws the weights away on release.
+records every call and, as SGLang does, throws the weights away on release unless it was
+started with ``enable_weights_cpu_backup`` (then a release keeps them, in host memory). It
+refuses to load weights whose memory is released (SGLang would write into unmapped memory)
+and to generate with any memory released.
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 import types
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from drmas.config import SamplingConfig
 from drmas.generation.engines import request_seeds
 
 GARBAGE = "garbage"
+ALL_MEMORY = ("kv_cache", "weights", "cuda_graph")
 
 
 @dataclass
@@ -46,6 +53,7 @@ class ScriptedEngine:
         self.weights = kwargs["model_path"]
         self.busy = False
         self.refuse_weights = False
+        self.released: set[str] = set()
         ScriptedEngine.instances.append(self)
 
     def flush_cache(self) -> FlushCacheReqOutput:
@@ -54,11 +62,16 @@ class ScriptedEngine:
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         self.calls.append(("release", tags))
-        if tags is None or "weights" in tags:
+        self.released |= set(tags or ALL_MEMORY)
+        if "weights" in (tags or ALL_MEMORY) and not self.kwargs.get("enable_weights_cpu_backup"):
             self.weights = GARBAGE  # torch_memory_saver frees the memory; the content is gone
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         self.calls.append(("resume", tags))
+        self.released -= set(tags or ALL_MEMORY)
+
+    def _weights_unmapped(self) -> tuple[bool, str] | None:
+        return (False, "the weights' memory is released") if "weights" in self.released else None
 
     def begin_weight_update(self, selector: str = "all") -> tuple[bool, str]:
         self.calls.append(("begin_weight_update", selector))
@@ -78,13 +91,18 @@ class ScriptedEngine:
             return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
         if self.refuse_weights:
             return False, "shape mismatch"
-        self.weights = "tensors:" + ",".join(str(tensor) for _, tensor in named_tensors)
+        if refused := self._weights_unmapped():
+            return refused
+        values = [f"{x:g}" for _, tensor in named_tensors for x in tensor.flatten().tolist()]
+        self.weights = "tensors:" + ",".join(values)
         return True, "Succeeded to update model weights."
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str, int]:
         self.calls.append(("update_weights_from_disk", model_path))
         if self.refuse_weights:
             return False, f"Failed to load {model_path}: shape mismatch", 0
+        if refused := self._weights_unmapped():
+            return (*refused, 0)
         self.weights = model_path
         return True, "Succeeded to update model weights.", 0
 
@@ -97,6 +115,7 @@ class ScriptedEngine:
         **kwargs: Any,
     ) -> list[dict]:
         self.calls.append(("generate", self.weights))
+        assert not self.released, f"generating with {sorted(self.released)} released"
         assert isinstance(sampling_params, list) and len(sampling_params) == len(input_ids)
         return [
             {
@@ -124,6 +143,11 @@ def sglang(monkeypatch):
 SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=8)
 
 
+def scalars(**values: float) -> dict[str, torch.Tensor]:
+    """Weights of one number each, which the stand-in's generations show."""
+    return {name: torch.tensor(float(value)) for name, value in values.items()}
+
+
 def test_the_engine_starts_for_colocation_and_seeds_every_request(sglang):
     engine = sglang("bfloat16", mem_fraction_static=0.4, seed=3)
     engine.load(Path("/policies/v0"))
@@ -133,6 +157,7 @@ def test_the_engine_starts_for_colocation_and_seeds_every_request(sglang):
         "dtype": "bfloat16",
         "skip_tokenizer_init": True,
         "enable_memory_saver": True,
+        "enable_weights_cpu_backup": True,
         "mem_fraction_static": 0.4,
         "tp_size": 1,
         "base_gpu_id": 0,
@@ -149,9 +174,9 @@ def test_the_engine_starts_for_colocation_and_seeds_every_request(sglang):
     assert first[0].logprobs == [-0.5, -0.25] and first[0].finish_reason == "stop"
 
 
-def test_after_a_release_the_weights_are_loaded_again_before_generating(sglang):
-    """SGLang throws the weights away on release: resuming alone would generate from
-    garbage. The engine reloads the policy it holds, then maps the cache back."""
+def test_after_a_release_the_weights_come_back_from_the_host_backup(sglang):
+    """Started with ``enable_weights_cpu_backup``, a released engine keeps its weights: a
+    resume maps everything back and nothing is read from disk again."""
     engine = sglang()
     engine.load(Path("/policies/v0"))
     engine.offload()
@@ -161,11 +186,25 @@ def test_after_a_release_the_weights_are_loaded_again_before_generating(sglang):
         ("init", "/policies/v0"),
         ("flush_cache", None),
         ("release", None),
-        ("resume", ["weights"]),
-        ("update_weights_from_disk", "/policies/v0"),
-        ("resume", ["kv_cache", "cuda_graph"]),
+        ("resume", None),
         ("generate", "/policies/v0"),
     ]
+
+
+def test_without_the_backup_a_release_would_lose_the_weights(sglang, monkeypatch):
+    """The stand-in's own check: without ``enable_weights_cpu_backup`` SGLang throws the
+    released weights away, and the engine would generate from garbage."""
+    original = ScriptedEngine.__init__
+
+    def without_backup(self, **kwargs):
+        original(self, **(kwargs | {"enable_weights_cpu_backup": False}))
+
+    monkeypatch.setattr(ScriptedEngine, "__init__", without_backup)
+    engine = sglang()
+    engine.load(Path("/policies/v0"))
+    engine.offload()
+    assert engine.generate([[1]], SAMPLING, stop_ids=[], seeds=[0])
+    assert ScriptedEngine.instances[0].calls[-1] == ("generate", GARBAGE)
 
 
 def test_a_new_policy_goes_in_once_whether_or_not_the_engine_was_released(sglang):
@@ -223,7 +262,7 @@ def test_an_updates_weights_go_in_from_memory_in_a_weight_update_session(sglang)
     flushed after; nothing is read from disk."""
     engine = sglang()
     engine.load(Path("/policies/v0"))
-    engine.set_weights({"w": 1, "b": 2})
+    engine.set_weights(scalars(w=1, b=2))
     engine.generate([[1]], SAMPLING, stop_ids=[], seeds=[0])
     calls = ScriptedEngine.instances[0].calls
     assert calls[1:] == [
@@ -235,15 +274,15 @@ def test_an_updates_weights_go_in_from_memory_in_a_weight_update_session(sglang)
     ]
 
 
-def test_weights_handed_over_while_released_go_in_at_resume_not_from_disk(sglang):
-    """The update runs while the engine's memory is released (the weights thrown away):
-    the engine keeps the new weights until it resumes, then pushes them instead of
-    reloading the old policy from disk."""
+def test_weights_handed_over_while_released_go_in_at_once_into_the_weights_alone(sglang):
+    """The update runs while the engine's memory is released: the engine maps only its
+    weights back, takes the new ones, and releases them again (the training engine still
+    holds the device); the next rollout resumes them from the host backup."""
     engine = sglang()
     engine.load(Path("/policies/v0"))
     engine.offload()
-    engine.set_weights({"w": 5})
-    assert ("update_weights_from_tensor", ["w"]) not in ScriptedEngine.instances[0].calls
+    engine.set_weights(scalars(w=5))
+    assert not engine.resident
     engine.generate([[1]], SAMPLING, stop_ids=[], seeds=[0])
     calls = ScriptedEngine.instances[0].calls
     assert calls[3:] == [
@@ -252,10 +291,50 @@ def test_weights_handed_over_while_released_go_in_at_resume_not_from_disk(sglang
         ("update_weights_from_tensor", ["w"]),
         ("end_weight_update", None),
         ("flush_cache", None),
-        ("resume", ["kv_cache", "cuda_graph"]),
+        ("release", ["weights"]),
+        ("resume", None),
         ("generate", "tensors:5"),
     ]
     assert not any(call[0] == "update_weights_from_disk" for call in calls)
+
+
+def test_the_engine_keeps_no_reference_to_the_weights_it_was_handed(sglang):
+    """The hand-over may be views of the training engine's own buffers (DeepSpeed ZeRO-1/2's
+    flat bf16 partition): a reference kept by the engine would keep that memory from ever
+    being freed. Once pushed, every handed tensor is gone when the caller drops it, whether
+    the engine was resident or released."""
+    engine = sglang()
+    engine.load(Path("/policies/v0"))
+    for release_first in (False, True):
+        if release_first:
+            engine.offload()
+        flat = torch.arange(8, dtype=torch.float32)
+        handed = {"a": flat[:4], "b": flat[4:]}
+        alive = [weakref.ref(flat), *(weakref.ref(t) for t in handed.values())]
+        engine.set_weights(handed)
+        del flat, handed
+        gc.collect()
+        assert [ref() for ref in alive] == [None, None, None]
+
+
+def test_the_weights_go_in_buckets_within_one_session(sglang, monkeypatch):
+    """Each ``update_weights_from_tensor`` call carries at most ``PUSH_BUCKET_BYTES`` (the
+    scheduler copies a call's tensors to the GPU at once); a larger tensor goes alone."""
+    import drmas.generation.engines.sglang as sglang_module
+
+    monkeypatch.setattr(sglang_module, "PUSH_BUCKET_BYTES", 64)
+    engine = sglang()
+    engine.load(Path("/policies/v0"))
+    weights = {name: torch.zeros(n, dtype=torch.float32) for name, n in [("a", 8), ("b", 8), ("c", 40), ("d", 1)]}
+    engine.set_weights(weights)
+    assert ScriptedEngine.instances[0].calls[1:] == [
+        ("begin_weight_update", "all"),
+        ("update_weights_from_tensor", ["a", "b"]),
+        ("update_weights_from_tensor", ["c"]),
+        ("update_weights_from_tensor", ["d"]),
+        ("end_weight_update", None),
+        ("flush_cache", None),
+    ]
 
 
 def test_weights_handed_over_while_resident_survive_every_later_release(sglang):
@@ -265,7 +344,7 @@ def test_weights_handed_over_while_resident_survive_every_later_release(sglang):
     the next rollout sample from the policy before the update)."""
     engine = sglang()
     engine.load(Path("/policies/v0"))
-    engine.set_weights({"w": 7})
+    engine.set_weights(scalars(w=7))
     for _ in range(2):
         engine.offload()
         engine.generate([[1]], SAMPLING, stop_ids=[], seeds=[0])
@@ -283,7 +362,7 @@ def test_a_refused_in_memory_weight_update_raises(sglang):
     engine.load(Path("/policies/v0"))
     ScriptedEngine.instances[0].refuse_weights = True
     with pytest.raises(RuntimeError, match="could not take the weights: shape mismatch"):
-        engine.set_weights({"w": 1})
+        engine.set_weights(scalars(w=1))
 
 
 def test_an_sglang_without_weight_update_sessions_takes_the_weights_directly(sglang, monkeypatch):
@@ -294,5 +373,5 @@ def test_an_sglang_without_weight_update_sessions_takes_the_weights_directly(sgl
     scripted.session = True  # an old release: no session needed, and none offered
     monkeypatch.delattr(ScriptedEngine, "begin_weight_update")
     monkeypatch.delattr(ScriptedEngine, "end_weight_update")
-    engine.set_weights({"w": 3})
+    engine.set_weights(scalars(w=3))
     assert scripted.calls[1:] == [("update_weights_from_tensor", ["w"]), ("flush_cache", None)]

@@ -317,10 +317,18 @@ def _prepare_for_training(model: PreTrainedModel, checkpointing: bool) -> None:
 
     Non-reentrant checkpointing: the reentrant kind does not support ``torch.autograd.grad``
     (the per-agent diagnostic). The KV cache, which cannot be checkpointed, is off in
-    every training forward (``token_logprobs``), not in the saved config."""
+    every training forward (``token_logprobs``), not in the saved config.
+
+    transformers 5.24 names it ``activation_checkpointing_enable`` (and keeps the old name
+    as a deprecated alias); 5.12.1, which the GPU image installs (SGLang 0.5.21 pins it),
+    has only ``gradient_checkpointing_enable``: the name is looked up, not assumed."""
     model.train()
-    if checkpointing:
+    if not checkpointing:
+        return
+    if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _worker_group_rows(store: Store, batch_path: str, wg: str) -> list[dict[str, Any]]:

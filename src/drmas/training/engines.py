@@ -37,6 +37,7 @@ __all__ = [
     "make_engine",
     "rank_and_world",
     "training_device",
+    "zero3_optimizer_homes",
 ]
 
 
@@ -352,7 +353,8 @@ class DeepSpeedEngine:
             OffloadStateTypeEnum.contiguous_grad_buffer,
         ]
         self.engine.offload_states(include=deepspeeds, pin_memory=pin)
-        _move_master_weights_and_moments(zero.fp32_partitioned_groups_flat, zero.optimizer, torch.device("cpu"))
+        host = [torch.device("cpu")] * len(zero.fp32_partitioned_groups_flat)
+        _move_master_weights_and_moments(zero.fp32_partitioned_groups_flat, host, zero.optimizer)
 
     def onload(self) -> None:
         if self.zero_stage == 0:
@@ -361,7 +363,8 @@ class DeepSpeedEngine:
         self.engine.reload_states()
         zero = self.engine.optimizer
         if self.zero_stage == 3:
-            _move_master_weights_and_moments(zero.fp32_partitioned_groups_flat, zero.optimizer, self.device)
+            homes = zero3_optimizer_homes(zero, self.device)
+            _move_master_weights_and_moments(zero.fp32_partitioned_groups_flat, homes, zero.optimizer)
             return
         # ZeRO-1/2's offload drops each parameter's link to its Adam moments, and the reload
         # relinks only the weights (DeepSpeed 0.19.8): relink the moments, or gathering them
@@ -503,17 +506,34 @@ def _move_module_and_optimizer(module: torch.nn.Module, optimizer: torch.optim.O
                 state[key] = value.to(device)
 
 
+def zero3_optimizer_homes(zero: Any, device: torch.device) -> list[torch.device]:
+    """Where ZeRO-3's step expects each fp32 partition, its moments and its gradient: on
+    ``device``, or, for a sub-group whose optimizer DeepSpeed offloads
+    (``offload_optimizer``), where DeepSpeed keeps it (``subgroup_to_device``, the host).
+
+    ZeRO-Offload keeps such a partition on the host for good, with a pinned host ``.grad``
+    that its step writes into (DeepSpeed 0.19.8, runtime/zero/stage3.py:1100-1108,
+    1337-1342): moving the partition and its moments to the GPU and leaving the ``.grad``
+    on the host made the next step fail on mixed devices."""
+    flats = zero.fp32_partitioned_groups_flat
+    if not getattr(zero, "offload_optimizer", False):
+        return [device] * len(flats)
+    return [torch.device("cpu") if zero.subgroup_to_device[i] == "cpu" else device for i in range(len(flats))]
+
+
 def _move_master_weights_and_moments(
-    flats: list[torch.Tensor], optimizer: torch.optim.Optimizer, device: torch.device
+    flats: list[torch.Tensor], homes: list[torch.device], optimizer: torch.optim.Optimizer
 ) -> None:
-    """ZeRO-3's fp32 partitions (the master weights) and the AdamW moments keyed by them:
-    the data moves, the tensors (the optimizer's keys) stay the same objects."""
-    for flat in flats:
-        flat.data = flat.data.to(device)
-    for state in optimizer.state.values():
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key in state:
-                state[key].data = state[key].data.to(device)
+    """ZeRO-3's fp32 partitions (the master weights) and the AdamW moments keyed by them,
+    each to its home: the data moves, the tensors (the optimizer's keys) stay the same
+    objects. A gradient the partition keeps between steps moves with it."""
+    for flat, home in zip(flats, homes, strict=True):
+        flat.data = flat.data.to(home)
+        if flat.grad is not None and flat.grad.device != flat.device:
+            flat.grad.data = flat.grad.data.to(home)
+        for key, value in optimizer.state.get(flat, {}).items():
+            if key in ("exp_avg", "exp_avg_sq"):
+                value.data = value.data.to(home)
 
 
 def deepspeed_config(config: DrmasConfig, group: WorkerGroup, world: int) -> dict[str, Any]:
