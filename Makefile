@@ -23,8 +23,17 @@ export MLFLOW_DISABLE_TELEMETRY := true
 # MLflow 3's server starts a job runner and seven consumers (GenAI scorers, trace jobs) that
 # drmas never uses: `make ui` (and the tests' servers) run without them.
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
+# The GPU image trains with older transformers and tokenizers than .venv holds (SGLang 0.5.21
+# pins them): images/gpu-pins.txt lists its versions that differ on the training path, which
+# `make test` installs with --no-deps into .venv-gpu-pins (reinstalled only when that file
+# changes) and puts in front of .venv to run the training-path tests a second time.
+GPU_PINS := images/gpu-pins.txt
+GPU_PINS_DIR := .venv-gpu-pins
+GPU_PINS_STAMP := $(GPU_PINS_DIR)/.installed-$(shell cat $(GPU_PINS) 2>/dev/null | sha256sum | cut -c1-16)
+GPU_PINS_TESTS := tests/test_gpu_pins.py tests/test_update.py tests/test_lora.py tests/test_mixed_precision.py \
+	tests/test_checkpoints.py tests/test_deepspeed_bf16.py
 
-.PHONY: venv run test test-fast lint fmt ui clean-venv
+.PHONY: venv run test test-fast test-gpu-pins lint fmt ui clean-venv
 
 venv: $(STAMP)
 
@@ -45,9 +54,21 @@ run: $(STAMP)
 $(DEEPSPEED_CPU_OP): $(STAMP)
 	$(PY) -c "from deepspeed.comm.torch import build_shm_op; assert build_shm_op() is not None"
 
-# The whole suite (slow end-to-end tests included), after lint.
-test: lint $(DEEPSPEED_CPU_OP)
+$(GPU_PINS_STAMP): $(STAMP)
+	rm -rf $(GPU_PINS_DIR)
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps --target $(GPU_PINS_DIR) -r $(GPU_PINS)
+	@touch $@
+
+# The whole suite (slow end-to-end tests included), after lint; then the pinned run.
+test: lint $(DEEPSPEED_CPU_OP) $(GPU_PINS_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory test-gpu-pins
+
+# The training-path tests under the GPU image's versions (images/gpu-pins.txt) alone, on one
+# process: their longest tests run two torchrun ranks, which take both cores already.
+test-gpu-pins: $(DEEPSPEED_CPU_OP) $(GPU_PINS_STAMP)
+	DRMAS_GPU_PINS=$(CURDIR)/$(GPU_PINS) PYTHONPATH=$(CURDIR)/$(GPU_PINS_DIR) OMP_NUM_THREADS=1 \
+		$(PY) -m pytest -p no:xdist $(GPU_PINS_TESTS)
 
 # Everything but the tests marked slow: a few minutes, for the edit-test loop.
 test-fast: $(STAMP)
@@ -69,4 +90,4 @@ ui: $(STAMP)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/runs/mlflow.db --host 127.0.0.1 --port 5000
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(GPU_PINS_DIR)

@@ -218,3 +218,56 @@ def test_a_run_part_ends_at_its_count_or_the_last_iteration(start, count, expect
 def test_an_evaluation_ends_every_nth_iteration_and_the_last(every, evaluated):
     config = load_config(MATH, ["experiment.iterations=5", f"eval.every={every}"])
     assert [i for i in range(5) if config.evaluates(i)] == evaluated
+
+
+# ----------------------------------------------------------------------------- run length in epochs
+
+
+def test_neither_iterations_nor_epochs_is_ten_iterations():
+    config = load_config(MATH, ["experiment.iterations=null"])
+    assert (config.experiment.iterations, config.experiment.epochs, config.total_iterations) == (10, None, 10)
+    assert config.with_epochs_resolved(5) is config  # no epochs: nothing to resolve
+
+
+@pytest.mark.parametrize(
+    ("questions", "batch", "epochs", "expected"), [(100, 16, 2, 12), (96, 16, 1, 6), (17, 16, 3, 3)]
+)
+def test_epochs_resolve_against_the_training_set_dropping_the_last_partial_batch(questions, batch, epochs, expected):
+    config = load_config(
+        MATH, ["experiment.iterations=null", f"experiment.epochs={epochs}", f"rollout.prompts_per_iteration={batch}"]
+    )
+    assert config.experiment.iterations is None
+    with pytest.raises(ConfigError, match=r"experiment.iterations: not known yet: experiment.epochs \d+ is counted"):
+        _ = config.total_iterations
+    with pytest.raises(ConfigError, match="not known yet"):
+        config.evaluates(0)  # nothing that needs the length runs on a guess
+    resolved = config.with_epochs_resolved(questions)
+    assert (resolved.total_iterations, resolved.experiment.epochs) == (expected, epochs)
+    assert config.experiment.iterations is None  # the original is left as it was
+    assert DrmasConfig.from_json(resolved.to_json()) == resolved  # recorded with both
+    assert resolved.with_epochs_resolved(questions) == resolved  # the record agrees with its data
+    unresolved = DrmasConfig.from_json(config.to_json())
+    assert unresolved.experiment.iterations is None and unresolved == config  # JSON keeps it unresolved
+
+
+def test_iterations_and_epochs_that_disagree_are_named_with_the_count():
+    config = load_config(MATH, ["experiment.iterations=200", "experiment.epochs=2", "rollout.prompts_per_iteration=32"])
+    assert config.with_epochs_resolved(3200).total_iterations == 200  # both given and agreeing: fine
+    with pytest.raises(ConfigError) as error:
+        config.with_epochs_resolved(1000)
+    assert error.value.problems == [
+        "experiment.iterations: is 200, but experiment.epochs 2 is 62 iterations (1000 training questions // 32 "
+        "a batch = 31 an epoch); give one of them (experiment.epochs=null to run a number of iterations)"
+    ]
+
+
+def test_a_training_set_smaller_than_a_batch_has_no_epoch():
+    config = load_config(MATH, ["experiment.iterations=null", "experiment.epochs=1"])
+    with pytest.raises(ConfigError, match=r"experiment.epochs: the training set has 15 question\(s\), fewer than one"):
+        config.with_epochs_resolved(15)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_epochs_must_be_a_positive_count(value):
+    [problem] = problems(f"experiment.epochs={value}")
+    assert problem.startswith("override experiment.epochs:")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from drmas.config import load_config
@@ -292,6 +293,21 @@ def test_draw_questions_cycles_epochs_without_repeats():
     assert sorted(first_epoch) == sorted(q.qid for q in pool)
     assert draw_questions(pool, 5, 3, seed=1) == draw_questions(pool, 5, 3, seed=1)
     assert [q.qid for q in draw_questions(pool, 5, 0, seed=1)] != [q.qid for q in draw_questions(pool, 5, 0, seed=2)]
+
+
+def test_an_epoch_drops_its_last_partial_batch_as_experiment_epochs_counts_it():
+    """11 questions in batches of 4: an epoch is 2 batches (8 distinct questions, 3 left
+    out), and iteration 2 starts the next epoch's permutation, as a data loader with
+    drop_last does; a set smaller than one batch is cycled through."""
+    pool = questions(*[f"q{i}" for i in range(11)])
+    epochs = [[q.qid for i in range(2 * e, 2 * e + 2) for q in draw_questions(pool, 4, i, seed=3)] for e in range(3)]
+    for drawn in epochs:
+        assert len(drawn) == len(set(drawn)) == 8
+    assert len({tuple(drawn) for drawn in epochs}) == 3  # a new order every epoch
+    second_epoch = np.random.default_rng([3, 1]).permutation(11)
+    assert [q.qid for q in draw_questions(pool, 4, 2, seed=3)] == [f"q{i}" for i in second_epoch[:4]]
+    few = questions("a", "b", "c")
+    assert sorted(q.qid for q in draw_questions(few, 6, 0, seed=0)) == ["q0", "q0", "q1", "q1", "q2", "q2"]
 
 
 USER_ORCHESTRA = """

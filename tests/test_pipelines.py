@@ -38,7 +38,7 @@ TRACKED = ("track-start", "track", "track-end")
 CONFIGS = {
     "math_tiny": ("math_tiny.yaml", ["experiment.iterations=3", "eval.every=2"]),
     "search_tiny": ("search_tiny.yaml", ["experiment.iterations=3", "eval.every=0"]),
-    "math_gpu": ("math_qwen3_4b_gpu.yaml", ["experiment.iterations=3"]),
+    "math_gpu": ("math_qwen3_4b_gpu.yaml", ["experiment.epochs=null", "experiment.iterations=3"]),
 }
 
 
@@ -312,7 +312,19 @@ def test_compile_names_the_images_given_or_last_built_on_every_executor(tmp_path
     out = tmp_path / "pipeline.yaml"
 
     def images_of(*options: str) -> tuple[dict[str, set[str]], str, str]:
-        code = main(["compile", config, "experiment.iterations=2", "-o", str(out), "--run-id", "r1", *options])
+        code = main(
+            [
+                "compile",
+                config,
+                "experiment.epochs=null",
+                "experiment.iterations=2",
+                "-o",
+                str(out),
+                "--run-id",
+                "r1",
+                *options,
+            ]
+        )
         captured = capsys.readouterr()
         assert code == 0, captured.err
         spec, platform = yaml.safe_load_all(out.read_text())
@@ -441,10 +453,38 @@ def test_a_spec_for_an_older_kfp_backend_drops_what_it_does_not_know(tmp_path, c
         for_backend(tmp_path / "train-0.yaml", "2.2")
     out = tmp_path / "cli.yaml"
     file = str(ROOT / "configs" / "math_qwen3_4b_gpu.yaml")
-    assert main(["compile", file, "experiment.iterations=1", "-o", str(out), "--kfp-backend", "2.3"]) == 0
+    assert (
+        main(
+            [
+                "compile",
+                file,
+                "experiment.epochs=null",
+                "experiment.iterations=1",
+                "-o",
+                str(out),
+                "--kfp-backend",
+                "2.3",
+            ]
+        )
+        == 0
+    )
     assert "for KFP 2.3: secret keys required" in capsys.readouterr().err and "optional" not in out.read_text()
     assert main(["compile", file, "-o", str(out), "--kfp-backend", "2.0"]) == 1
     assert "KFP 2.0 is not supported" in capsys.readouterr().err
+
+
+def test_compile_counts_a_run_given_in_epochs_and_names_a_disagreeing_iteration_count(tmp_path, capsys):
+    """The compiled pipeline holds the epochs' iterations (48 questions // 16 = 3 an epoch)."""
+    file = str(ROOT / "configs" / "math_tiny.yaml")
+    out = tmp_path / "pipeline.yaml"
+    epochs = ["experiment.epochs=1", "data.generated_train_size=48", "rollout.prompts_per_iteration=16", "eval.every=0"]
+    assert main(["compile", file, "experiment.iterations=null", *epochs, "-o", str(out)]) == 0
+    spec = next(yaml.safe_load_all(out.read_text()))
+    rollouts = [t for t in spec["root"]["dag"]["tasks"].values() if stage_of(t) == "rollout"]
+    assert len(rollouts) == 3
+    capsys.readouterr()
+    assert main(["compile", file, "experiment.iterations=5", *epochs, "-o", str(out)]) == 2
+    assert "experiment.iterations: is 5, but experiment.epochs 1 is 3 iterations" in capsys.readouterr().err
 
 
 def test_compile_warns_when_a_pipeline_runs_more_iterations_than_one_kfp_run_should(tmp_path, capsys):
@@ -803,12 +843,13 @@ def test_submit_posts_the_compiled_pipeline_with_its_parameters(tmp_path, capsys
     monkeypatch.setattr(kfp.Client, "_LOCAL_KFP_CONTEXT", str(tmp_path / "kfp-context.json"))  # no user settings
     monkeypatch.setenv("DRMAS_LAST_BUILD", str(tmp_path / "no-build"))  # the default images, with a warning
     config_file = str(ROOT / "configs" / "math_qwen3_4b_gpu.yaml")
-    config = load_config(config_file, ["experiment.iterations=2"])
+    config = load_config(config_file, ["experiment.epochs=null", "experiment.iterations=2"])
     with StubKfpApi() as api:
         code = main(
             [
                 "submit",
                 config_file,
+                "experiment.epochs=null",
                 "experiment.iterations=2",
                 "--host",
                 api.host,
@@ -826,6 +867,7 @@ def test_submit_posts_the_compiled_pipeline_with_its_parameters(tmp_path, capsys
             [
                 "submit",
                 config_file,
+                "experiment.epochs=null",
                 "experiment.iterations=2",
                 "--host",
                 api.host,
@@ -938,7 +980,17 @@ def test_submit_runs_a_long_run_in_parts_and_prints_the_next_ones(tmp_path, caps
         )
 
     with StubKfpApi() as api:
-        argv = ["submit", config_file, "experiment.iterations=25", "--host", api.host, "--run-id", "r9", *images]
+        argv = [
+            "submit",
+            config_file,
+            "experiment.epochs=null",
+            "experiment.iterations=25",
+            "--host",
+            api.host,
+            "--run-id",
+            "r9",
+            *images,
+        ]
         code = main([*argv, "--iterations-per-run", "10"])
         captured = capsys.readouterr()
         assert code == 0, captured.err
@@ -949,7 +1001,7 @@ def test_submit_runs_a_long_run_in_parts_and_prints_the_next_ones(tmp_path, caps
         assert second[second.index("--start-iteration") + 1 :][:3] == ["10", "--iterations", "10"]
         assert third[third.index("--start-iteration") + 1 :][:3] == ["20", "--iterations", "5"]
         for words in (second, third):
-            assert words[2:4] == [config_file, "experiment.iterations=25"]
+            assert words[2:5] == [config_file, "experiment.epochs=null", "experiment.iterations=25"]
             assert words[words.index("--run-id") + 1] == "r9" and words[words.index("--host") + 1] == api.host
             assert words[words.index("--image-tag") + 1] == "0.1.0-1a2b"
         assert main(second[1:]) == 0, capsys.readouterr().err
@@ -976,7 +1028,16 @@ def test_submit_to_a_profile_namespace_runs_as_its_default_account(tmp_path, cap
     monkeypatch.setenv("DRMAS_LAST_BUILD", str(tmp_path / "no-build"))
     config_file = str(ROOT / "configs" / "math_qwen3_4b_gpu.yaml")
     with StubKfpApi() as api:
-        argv = ["submit", config_file, "experiment.iterations=1", "--host", api.host, "--run-id", "r1"]
+        argv = [
+            "submit",
+            config_file,
+            "experiment.epochs=null",
+            "experiment.iterations=1",
+            "--host",
+            api.host,
+            "--run-id",
+            "r1",
+        ]
         assert main([*argv, "--namespace", "kubeflow-user-example-com"]) == 0, capsys.readouterr().err
         assert main([*argv, "--namespace", "team", "--service-account", "runner"]) == 0, capsys.readouterr().err
         assert main(argv) == 0, capsys.readouterr().err

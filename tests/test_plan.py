@@ -137,6 +137,7 @@ def test_a_config_json_without_the_numbers_is_named(tmp_path):
 # --------------------------------------------------------------------------------------
 
 TWO_PSI = 2 * TINY_PARAMS
+FOUR_PSI = 4 * TINY_PARAMS
 TWELVE_PSI = 12 * TINY_PARAMS
 
 
@@ -146,23 +147,32 @@ TWELVE_PSI = 12 * TINY_PARAMS
         (("train.zero_stage=0", "ray.pool_size=1"), TWO_PSI, TWO_PSI, TWELVE_PSI, 0),
         (("train.zero_stage=0", "ray.pool_size=8"), TWO_PSI, TWO_PSI, TWELVE_PSI, 0),
         (("train.zero_stage=1", "ray.pool_size=8"), TWO_PSI, TWO_PSI, TWELVE_PSI // 8, 0),
-        (("train.zero_stage=2", "ray.pool_size=8"), TWO_PSI, TWO_PSI // 8, TWELVE_PSI // 8, 0),
-        (("train.zero_stage=3", "ray.pool_size=1"), TWO_PSI, TWO_PSI, TWELVE_PSI, 0),
-        (("train.zero_stage=3", "ray.pool_size=8"), TWO_PSI // 8, TWO_PSI // 8, TWELVE_PSI // 8, 0),
+        (("train.zero_stage=2", "ray.pool_size=8"), TWO_PSI, FOUR_PSI // 8, TWELVE_PSI // 8, 0),
+        (("train.zero_stage=3", "ray.pool_size=1"), TWO_PSI, FOUR_PSI, TWELVE_PSI, 0),
+        (("train.zero_stage=3", "ray.pool_size=8"), TWO_PSI // 8, FOUR_PSI // 8, TWELVE_PSI // 8, 0),
+        (
+            ("train.zero_stage=1", "ray.pool_size=8", "train.offload_optimizer=true"),
+            TWO_PSI,
+            FOUR_PSI,
+            0,
+            TWELVE_PSI // 8,
+        ),
         (
             ("train.zero_stage=2", "ray.pool_size=8", "train.offload_optimizer=true"),
             TWO_PSI,
-            TWO_PSI // 8,
+            FOUR_PSI // 8,
             0,
             TWELVE_PSI // 8,
         ),
     ],
 )
 def test_training_state_by_zero_stage_and_offload(overrides, weights, grads, optimizer, host):
-    """bf16 mixed precision: 2Ψ weights, 2Ψ gradients, 12Ψ fp32 master + Adam; ZeRO-1
-    splits the optimizer state over the slots, ZeRO-2 the gradients too, ZeRO-3 the
-    weights too; offload moves the optimizer state to the host. (Ψ = 1,049,984 divides
-    by 8 after doubling, so the shares are exact.)"""
+    """bf16 mixed precision: 2Ψ weights, 12Ψ fp32 master + Adam, and 2Ψ gradients where
+    DeepSpeed accumulates them in bf16 (ZeRO-0, ZeRO-1 without offload), 4Ψ where in fp32
+    (ZeRO-2 and -3; ZeRO-1 with offload, unpartitioned); ZeRO-1 splits the optimizer state
+    over the slots, ZeRO-2 the gradients too, ZeRO-3 the weights too; offload moves the
+    optimizer state to the host. (Ψ = 1,049,984 divides by 8 after doubling, so the shares
+    are exact.)"""
     group = tiny_plan(*overrides).groups[0]
     assert (group.train_params, group.train_grads, group.optimizer, group.optimizer_host) == (
         weights,
@@ -242,14 +252,14 @@ def test_the_papers_recipes_fit_80_gb_gpus(recipe, overrides):
 def test_the_math_recipe_without_its_token_cap_fits_only_with_chunked_log_probs():
     """Two rows of 8192 + 4096 tokens in one micro-batch: 59.7 GB of fp32 logits alone when
     the log-probs are computed over the whole micro-batch at once; in chunks of 1024
-    positions, the model's bf16 logits (7.5 GB) and one chunk's fp32 copies (5.0 GB)."""
-    whole = plan_memory(
-        load_config(MATH_RECIPE, ["train.max_tokens_per_micro_batch=null", "train.logprob_chunk_positions=null"])
-    )
+    positions, the model's bf16 logits (7.5 GB) and one chunk's fp32 copies (5.0 GB). (The
+    recipe's four rows without the cap: 57.4 GB with chunks, README "Memory plan".)"""
+    two_rows = ["train.micro_batch_size=2", "train.max_tokens_per_micro_batch=null"]
+    whole = plan_memory(load_config(MATH_RECIPE, [*two_rows, "train.logprob_chunk_positions=null"]))
     assert not whole.fits
     assert whole.groups[0].micro_batch_tokens == 2 * 12288
     assert round(whole.groups[0].logits / GB, 1) == 59.7
-    chunked = plan_memory(load_config(MATH_RECIPE, ["train.max_tokens_per_micro_batch=null"]))
+    chunked = plan_memory(load_config(MATH_RECIPE, two_rows))
     vocab = 151936
     assert chunked.groups[0].logits == 2 * 12288 * vocab * 2 + 2 * 1024 * vocab * 4 * 4
     assert chunked.fits
@@ -271,7 +281,7 @@ def test_an_oversized_config_is_refused_with_the_numbers(capsys, tmp_path):
         assert main(command) == 2
         err = capsys.readouterr().err
         assert f"drmas {command[0]}: the config does not fit 80 GB per slot (ray.device_memory_gb)" in err
-        assert "update solver: needs 149.0 GB per slot, more than 80.0 GB (weights 8.0 GB, gradients 1.0 GB" in err
+        assert "update solver: needs 152.0 GB per slot, more than 80.0 GB (weights 8.0 GB, gradients 4.0 GB" in err
         assert "activations 18.4 GB, logits 119.5 GB" in err
         assert "set train.max_tokens_per_micro_batch to at most" in err
     assert not output.exists()
@@ -285,9 +295,9 @@ def test_no_device_memory_means_no_check_and_an_unknown_verdict(capsys):
 def test_the_plan_command_prints_the_table_and_exits_by_the_verdict(capsys):
     assert main(["plan", MATH_RECIPE]) == 0
     out = capsys.readouterr().out
-    assert "8 slot(s) of 80.0 GB; ZeRO-2 with optimizer offload" in out
-    assert "rollout peak 42.0 GB, update peak 27.4 GB: fits in 80.0 GB" in out
-    assert "host memory per slot: 30.2 GB (every group's training state, kept between updates)" in out
+    assert "4 slot(s) of 80.0 GB; ZeRO-2 with optimizer offload" in out
+    assert "rollout peak 42.0 GB, update peak 30.5 GB: fits in 80.0 GB" in out
+    assert "host memory per slot: 48.3 GB (every group's training state, kept between updates)" in out
     for row in ("engine weights", "KV cache", "activations, checkpointing", "activations, none", "logits"):
         assert row in out
     assert main(["plan", MATH_RECIPE, "--device-memory", "24GB"]) == 1

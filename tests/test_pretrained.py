@@ -353,7 +353,10 @@ def sections(prompt: str) -> list[str]:
 def test_reference_math_prompts_give_the_task_the_teammates_and_the_exact_format():
     first = SolverAgent("reference").prompt(episode(), 1)
     assert sections(first) == ["# Task Introduction", "# Your Teammates' Outputs", "# Your Role"]
-    assert "What is 12 + 30?" in first and "(none yet" in first and "inside \\boxed{}" in first
+    assert "What is 12 + 30?" in first and "inside \\boxed{}" in first
+    assert (
+        first.split("# Your Teammates' Outputs\n")[1].split("# Your Role")[0].strip() == ""
+    )  # none yet, as in the reference
     context = ["Solver: 2+0=2. \\boxed{42}", "Verifier: wrong. <verify>reject</verify>"]
     again = SolverAgent("reference").prompt(episode(context), 1)
     teammates = again.split("# Your Teammates' Outputs\n")[1].split("\n\n# Your Role")[0]
@@ -374,7 +377,26 @@ def test_reference_search_prompts_follow_the_references_sections():
     assert "Verifier: <verify>no</verify>" in searcher and "<search> and </search>" in searcher
     answerer = AnswerAgent(prompts="reference").prompt(episode(), 1)
     assert "searched" not in answerer  # no history yet: the step-1 introduction
-    assert "<answer> and </answer>" in answerer and "one <think> </think> block" in answerer
+    assert "<answer> and </answer>" in answerer and "<think> and </think>" in answerer
+    assert "thoroughly" in answerer and "<answer>Beijing</answer>" in answerer  # the reference's full answer
+
+
+def test_the_reference_prompts_add_no_instruction_the_references_do_not_give():
+    """The additions the fidelity review (2026-12-03) found: a short answer, a Solver told to
+    distrust its teammates and to end on the box alone, a brief Verifier, an example query,
+    a placeholder for an empty team context. The compact set is left as it is."""
+    searched = episode(["Verifier: <verify>no</verify>"], [("who founded acme", "Doc 1: Ada founded Acme.")])
+    prompts = [
+        SolverAgent("reference").prompt(episode(), 1),
+        SolverAgent("reference").prompt(episode(["Solver: \\boxed{41}", "Verifier: <verify>reject</verify>"]), 1),
+        MathVerifierAgent("reference").prompt(episode(["Solver: \\boxed{42}"]), 1),
+        RouterAgent(prompts="reference").prompt(searched, 2),
+        SearchAgent(prompts="reference").prompt(searched, 2),
+        AnswerAgent(prompts="reference").prompt(searched, 2),
+    ]
+    added = ["few words", "only the answer", "brief", "rather than copy", "may be wrong", "nothing else", "Australia"]
+    for prompt in prompts:
+        assert not [phrase for phrase in added + ["none yet"] if phrase in prompt], prompt
 
 
 def test_an_unknown_prompt_set_is_named():

@@ -206,8 +206,10 @@ def test_import_help_names_its_arguments(capsys):
 TRAIN_DTYPE = "bfloat16" if native_bf16() else "float32"
 """The config's bf16 where this CPU computes it natively (AVX-512 or AMX); float32 where it
 would be emulated, which made the full run's one update take over ten minutes (an AVX2
-EPYC). Seed 1 gives a well-formed and a malformed Solver answer in both: bf16 on the AMX
-machines of earlier sessions, float32 on the EPYC ([False, False, False, True])."""
+EPYC). Seed 10 gives a well-formed and a malformed Solver answer in both ([True, False,
+False, False], bf16 and float32 on an AMX machine), with the reference prompts as they are
+since issue 31 (no brevity or format insistence the reference's prompts lack; seed 1, chosen
+for the earlier wording, gave none; 3 of seeds 0-20 gave one in bf16)."""
 CI_SETTINGS = (
     f"models.smollm2.dtype={TRAIN_DTYPE}",
     "experiment.iterations=1",
@@ -218,10 +220,10 @@ CI_SETTINGS = (
     "eval.max_questions=2",
     "eval.k=1",
     "eval.sampling.max_new_tokens=48",
-    "experiment.seed=1",
+    "experiment.seed=10",
 )
 """Small enough for CI on two cores; the rollout still holds a well-formed Solver answer
-beside a malformed one in its group (seed 1, one thread), so the format penalty leaves a
+beside a malformed one in its group (seed 10, one thread), so the format penalty leaves a
 gradient. (The Verifier's replies are never well-formed at this size: the Solver's are what
 the update learns from.)"""
 THREADS = "1"

@@ -4,11 +4,11 @@ chat-template variables (Qwen3's enable_thinking), and recomputing the old log-p
 default where the rollout engine's can drift from the trainer's.
 
 The reference values are those of examples/drmas_trainer/run_math.sh and run_search.sh in
-the DrMAS repository (re-read on 2026-12-01, /work/shared/reference), and of veRL's
-ppo_trainer.yaml defaults where a script sets nothing. Reference settings that drmas has no
-field for (speed-only ones such as use_remove_padding and log_prob_micro_batch_size_per_gpu,
-SGLang's gpu_memory_utilization, filter_overlong_prompts, epochs) are listed in each YAML's
-header comment instead.
+the DrMAS repository at 19c632b (re-read on 2026-12-03 for the fidelity review,
+/work/shared/reviews/2026-12-03-fidelity.md), and of veRL's ppo_trainer.yaml defaults where a
+script sets nothing. Reference settings that drmas has no field for (speed-only ones such as
+use_remove_padding and log_prob_micro_batch_size_per_gpu, SGLang's gpu_memory_utilization,
+filter_overlong_prompts) are listed in each YAML's header comment instead.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from drmas.infra.store import Store
 from drmas.models import build_scratch_policy, load_tokenizer
 from drmas.runner import open_run
 from drmas.stages import warmstart
+from drmas.stages.rollout import run_length
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 MATH_RECIPE = CONFIGS / "math_qwen3_4b_gpu.yaml"
@@ -83,16 +84,19 @@ MATH_REFERENCE = SHARED_REFERENCE + [
     ("data.truncation=middle", "rollout.truncation", "middle"),
     ("data.max_response_length=4096", "rollout.sampling.max_new_tokens", 4096),
     ("data.max_response_length=4096 (validation)", "eval.sampling.max_new_tokens", 4096),
-    ("actor.ppo_micro_batch_size_per_gpu=[2,2]", "train.micro_batch_size", 2),
+    ("actor.ppo_micro_batch_size_per_gpu=[4,4]", "train.micro_batch_size", 4),
     (
-        "actor.use_dynamic_bsz (default False: rows per micro-batch); deviation: two rows of 12288 tokens "
-        "would not fit 80 GB in drmas's update (drmas plan), so such a pair trains apart",
+        "actor.use_dynamic_bsz (default False: rows per micro-batch); deviation: at most 20480 tokens a "
+        "micro-batch (four rows of up to 5120 tokens), kept until a GPU measures four rows of 12288",
         "train.max_tokens_per_micro_batch",
         20480,
     ),
     ("use_adaptive_ppo_mini_batch_size=True, ppo_mini_update_num=1", "train.updates_per_iteration", 1),
     ("trainer.test_freq=10", "eval.every", 10),
-    ("trainer.n_gpus_per_node=8, nnodes=1", "ray.pool_size", 8),
+    ("trainer.n_gpus_per_node=4, nnodes=1", "ray.pool_size", 4),
+    ("trainer.total_epochs=2", "experiment.epochs", 2),
+    ("no trainer.total_training_steps: the epochs decide", "experiment.iterations", None),
+    ("reward_model.ground_truth (drmas_math.py's gold answer)", "data.answer_field", "reward_model.ground_truth"),
 ]
 
 SEARCH_REFERENCE = SHARED_REFERENCE + [
@@ -120,6 +124,13 @@ SEARCH_REFERENCE = SHARED_REFERENCE + [
     ("trainer.test_freq=5", "eval.every", 5),
     ("trainer.n_gpus_per_node=4, nnodes=1", "ray.pool_size", 4),
     ("actor.use_dynamic_bsz (default False: rows per micro-batch)", "train.max_tokens_per_micro_batch", None),
+    ("trainer.total_epochs=1", "experiment.epochs", 1),
+    ("no trainer.total_training_steps: the epochs decide", "experiment.iterations", None),
+    (
+        "reward_model.ground_truth.target (drmas_search.py's gold answers)",
+        "data.answer_field",
+        "reward_model.ground_truth.target",
+    ),
 ]
 
 RECIPES = {"math": (MATH_RECIPE, MATH_REFERENCE), "search": (SEARCH_RECIPE, SEARCH_REFERENCE)}
@@ -182,9 +193,39 @@ def test_recipe_resolved_config_is_stable(recipe, tmp_path):
     config = load_config(path)
     assert json.loads(config.to_json())["train"]["recompute_old_logprobs"] is True
     assert DrmasConfig.from_json(config.to_json()) == config
+    # The recipes count epochs: a training set of 1000 questions, as the run would read it.
+    resolved_run = config.with_epochs_resolved(1000)
+    assert resolved_run.total_iterations == (1000 // config.rollout.prompts_per_iteration) * config.experiment.epochs
     store = Store(str(tmp_path / "store"))
-    open_run(config, store, "r1", resume=False)
-    assert open_run(load_config(path), store, "r1", resume=True) == config
+    open_run(resolved_run, store, "r1", resume=False)
+    assert open_run(load_config(path).with_epochs_resolved(1000), store, "r1", resume=True) == resolved_run
+
+
+# ----------------------------------------------------------------------------- run length in epochs
+
+EPOCHS = ["experiment.iterations=null", "data.generated_train_size=100", "rollout.prompts_per_iteration=16"]
+"""math_tiny run by epochs over 100 generated questions in batches of 16: 6 iterations an epoch."""
+
+
+def test_a_run_given_in_epochs_records_its_iterations(tmp_path):
+    """open_run counts the training set (the rollout's own questions) and records the run's
+    length; a resume may lengthen it by epochs, as by iterations."""
+    config = load_config(TINY, [*EPOCHS, "experiment.epochs=2"])
+    assert run_length(config).total_iterations == 12
+    store = Store(str(tmp_path / "store"))
+    recorded = open_run(config, store, "r1", resume=False)
+    assert (recorded.experiment.iterations, recorded.experiment.epochs) == (12, 2)
+    assert store.open("math-tiny/r1/run").read_json("config.json")["experiment"]["iterations"] == 12
+    longer = open_run(load_config(TINY, [*EPOCHS, "experiment.epochs=3"]), store, "r1", resume=True)
+    assert longer.total_iterations == 18
+
+
+def test_epochs_over_a_training_file_that_cannot_be_read_name_the_field_and_the_file(tmp_path):
+    missing = tmp_path / "train.jsonl"
+    config = load_config(TINY, ["experiment.iterations=null", "experiment.epochs=1", f"data.train={missing}"])
+    with pytest.raises(ConfigError) as error:
+        run_length(config)
+    assert error.value.problems == [f"experiment.epochs: cannot count the training set: {missing}: file not found"]
 
 
 # ----------------------------------------------------------------------------- recompute default

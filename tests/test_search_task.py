@@ -301,6 +301,52 @@ def test_load_qa_jsonl_search_r1_format(tmp_path):
     ]
 
 
+def _reference_search_row(question: str, targets: list[str], source: str, ground_truth_key: str = "target") -> dict:
+    """A row as the reference's drmas_search.py preprocessing writes it: a system + user
+    chat, the gold answers nested in reward_model.ground_truth.target (and in env_kwargs),
+    no golden_answers column."""
+    return {
+        "data_source": source,
+        "prompt": [
+            {"role": "system", "content": "You are a helpful and harmless assistant."},
+            {"role": "user", "content": question},
+        ],
+        "ability": "fact-reasoning",
+        "reward_model": {"style": "rule", "ground_truth": {ground_truth_key: targets}},
+        "extra_info": {"index": 0, "split": "train", "question": question},
+        "env_kwargs": {"ground_truth": {ground_truth_key: targets}, "question": question, "data_source": source},
+    }
+
+
+def test_the_search_recipe_reads_the_references_preprocessed_parquet(tmp_path):
+    """The recipe's data fields against the nested layout (Arrow structs and lists, as
+    pandas and pyarrow write it): the answers from reward_model.ground_truth.target, the
+    question from the chat's user message, the source per row."""
+    path = tmp_path / "train.parquet"
+    rows = [_reference_search_row("who wrote hamlet?", ["Shakespeare", "William Shakespeare"], "nq")]
+    rows.append(_reference_search_row("when did it open?", ["1901"], "hotpotqa"))
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    assert pa.types.is_struct(pq.read_schema(path).field("reward_model").type)
+    data = load_config(ROOT / "configs" / "search_qwen25_7b_gpu.yaml").data
+    assert data.answer_field == "reward_model.ground_truth.target"
+    assert load_qa(str(path), "train", data, SEED) == [
+        Question("0", "who wrote hamlet?", ("Shakespeare", "William Shakespeare"), "nq"),
+        Question("1", "when did it open?", ("1901",), "hotpotqa"),
+    ]
+
+
+def test_a_nested_answer_field_that_is_not_there_names_the_field_and_the_file(tmp_path):
+    path = tmp_path / "other.parquet"
+    pq.write_table(pa.Table.from_pylist([_reference_search_row("q?", ["a"], "nq", ground_truth_key="answers")]), path)
+    data = DataConfig(answer_field="reward_model.ground_truth.target")
+    with pytest.raises(DataError) as error:
+        load_qa(str(path), "train", data, SEED)
+    assert str(error.value) == (
+        f"{path}: no answer column 'reward_model.ground_truth.target' (set data.answer_field); columns: ability, "
+        "data_source, env_kwargs, extra_info, prompt, reward_model; reward_model.ground_truth holds: answers"
+    )
+
+
 def test_load_qa_parquet_with_plain_answers_and_own_field_names(tmp_path):
     path = tmp_path / "bamboogle.parquet"
     pq.write_table(pa.table({"q": ["a?", "b?"], "gold": ["x", "y"]}), path)

@@ -327,6 +327,15 @@ def _check_inputs(config: DrmasConfig) -> None:
     task_for(config).corpus(config)
 
 
+def _with_run_length(config: DrmasConfig) -> DrmasConfig:
+    """``config`` with ``experiment.epochs`` resolved against its training set (read once
+    to count it), for the commands that fix a run's length before any stage runs (a
+    compiled pipeline holds its iterations); a ConfigError when it cannot be."""
+    from drmas.stages.rollout import run_length  # noqa: PLC0415
+
+    return run_length(config)
+
+
 def _load(args: argparse.Namespace, logs: bool = True) -> DrmasConfig:
     """The command's config: its CONFIG file with the overrides. ``logs`` sends the
     library's progress lines (logging INFO) to stdout, beside the command's own output,
@@ -417,6 +426,7 @@ def _run(args: argparse.Namespace) -> int:
         return refused
     try:
         _check_inputs(config)
+        config = _with_run_length(config)
     except ValueError as error:
         return _fail("run", error)
     try:
@@ -424,17 +434,14 @@ def _run(args: argparse.Namespace) -> int:
         if args.resume is not None and (missing := _missing_run(config, store, run_id)):
             return _fail("run", missing)
         config = open_run(config, store, run_id, resume=args.resume is not None)
-        print(
-            f"run {run_id}: {config.experiment.iterations} iterations, "
-            f"store {store.uri(config.experiment.name)}/{run_id}"
-        )
+        print(f"run {run_id}: {config.total_iterations} iterations, store {store.uri(config.experiment.name)}/{run_id}")
         summary = train(config, store, run_id, cache_dir=Path(".cache") / "drmas", config_path=args.config)
     except _stopping_errors() as error:
         return _fail("run", f"cannot continue run {run_id}: {_underlying(error)}")
     except KeyboardInterrupt:
         return _fail("run", f"interrupted; resume with: drmas run {args.config} --resume {run_id}", 130)
     if summary.iterations_run == 0:
-        print(f"run {run_id}: nothing left to do (all {config.experiment.iterations} iterations are complete)")
+        print(f"run {run_id}: nothing left to do (all {config.total_iterations} iterations are complete)")
         return 0
     if table := summary_table(summary, config.eval.k):
         print(table)
@@ -793,6 +800,7 @@ def _compile_or_submit(args: argparse.Namespace) -> int:
         return _fail(args.command, error)
     if args.iterations_per_run < 0:
         return _fail(args.command, f"--iterations-per-run must be 0 (no limit) or more, not {args.iterations_per_run}")
+    config = _with_run_length(config)
     parts = _parts(args, config) if args.command == "submit" else [(args.start_iteration, args.iterations)]
     first, count = parts[0]
     built = _build_pipeline(args, config, run_id, images, first, count if len(parts) > 1 else None)
@@ -929,6 +937,7 @@ def _run_kfp_local(args: argparse.Namespace) -> int:
     config, run_id = _start_run(args)
     if (refused := _refuse_unless_it_fits(args.command, config)) is not None:
         return refused
+    config = _with_run_length(config)
     built = _build_pipeline(args, config, run_id)
     if built is None:
         return 2

@@ -41,6 +41,8 @@ __all__ = [
     "weights_problem",
 ]
 
+DEFAULT_ITERATIONS = 10
+"""A run's length when the config gives neither ``experiment.iterations`` nor ``epochs``."""
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
 """Names that appear in paths and metric keys (agents, worker groups, experiments)."""
 
@@ -73,8 +75,17 @@ class ExperimentConfig(Section):
     """Run id (folder under the experiment). Unset: a new id is made at start."""
     seed: int = 0
     """Seed for data order, sampling and initialisation; a stage is deterministic given it."""
-    iterations: int = Field(10, ge=1)
-    """RL iterations (rollout, advantage, update, checkpoint, evaluate when due)."""
+    iterations: int | None = Field(None, ge=1)
+    """RL iterations (rollout, advantage, update, checkpoint, evaluate when due). Unset: 10,
+    or with ``epochs`` the iterations of that many epochs."""
+    epochs: int | None = Field(None, ge=1)
+    """The run's length as passes over the training set, as the reference's scripts set it
+    (``trainer.total_epochs``): an epoch is (training questions // rollout.prompts_per_iteration)
+    iterations, its last partial batch dropped, and each epoch draws the questions in a new
+    order. Resolved into ``iterations`` when a run starts or a pipeline is compiled (the
+    training set is read to count it), and recorded with it; ``drmas config`` shows
+    iterations null until then. Given with ``iterations``, the two must agree (set
+    ``experiment.epochs=null`` to run a number of iterations instead)."""
 
 
 class TaskConfig(Section):
@@ -617,6 +628,8 @@ class DrmasConfig(Section):
         if self.train.recompute_old_logprobs is None:
             drift = self._logprobs_may_drift()
             self.train = self.train.model_copy(update={"recompute_old_logprobs": drift})
+        if self.experiment.iterations is None and self.experiment.epochs is None:
+            self.experiment = self.experiment.model_copy(update={"iterations": DEFAULT_ITERATIONS})
         if "prompts" not in self.task.model_fields_set:
             scratch = any(g.spec is not None and g.spec.source == "scratch" for g in self.worker_groups())
             self.task = self.task.model_copy(update={"prompts": "compact" if scratch else "reference"})
@@ -787,23 +800,69 @@ class DrmasConfig(Section):
                 return group
         raise KeyError(f"no worker group {name!r}; worker groups: {', '.join(g.name for g in self.worker_groups())}")
 
+    @property
+    def total_iterations(self) -> int:
+        """The run's length in iterations: ``experiment.iterations``, which a config given
+        in ``experiment.epochs`` has only once they are resolved (``with_epochs_resolved``);
+        before that a ConfigError says so, rather than a run of some other length."""
+        if self.experiment.iterations is None:
+            raise ConfigError(
+                [
+                    f"experiment.iterations: not known yet: experiment.epochs {self.experiment.epochs} is "
+                    "counted against the training set when a run starts or a pipeline is compiled "
+                    "(drmas run, compile, submit)"
+                ]
+            )
+        return self.experiment.iterations
+
+    def with_epochs_resolved(self, train_questions: int) -> DrmasConfig:
+        """This config with ``experiment.epochs`` turned into ``experiment.iterations`` for a
+        training set of ``train_questions`` questions: (train_questions //
+        rollout.prompts_per_iteration) iterations an epoch, the last partial batch dropped.
+        Unchanged without epochs; a ConfigError when the set holds less than one batch or
+        when ``experiment.iterations`` is given too and says otherwise."""
+        epochs = self.experiment.epochs
+        if epochs is None:
+            return self
+        batch = self.rollout.prompts_per_iteration
+        per_epoch = train_questions // batch
+        if per_epoch == 0:
+            raise ConfigError(
+                [
+                    f"experiment.epochs: the training set has {train_questions} question(s), fewer than one "
+                    f"batch (rollout.prompts_per_iteration {batch}): an epoch would be no iteration; set "
+                    "experiment.iterations instead (and experiment.epochs=null)"
+                ]
+            )
+        total = epochs * per_epoch
+        given = self.experiment.iterations
+        if given is not None and given != total:
+            raise ConfigError(
+                [
+                    f"experiment.iterations: is {given}, but experiment.epochs {epochs} is {total} iterations "
+                    f"({train_questions} training questions // {batch} a batch = {per_epoch} an epoch); give "
+                    "one of them (experiment.epochs=null to run a number of iterations)"
+                ]
+            )
+        return self.model_copy(update={"experiment": self.experiment.model_copy(update={"iterations": total})})
+
     def iterations_from(self, start: int, count: int | None = None) -> range:
         """The iterations a run (or one part of it) takes from ``start``: up to
         ``experiment.iterations``, at most ``count`` of them (None or 0: no limit). The
         train pipeline, ``drmas submit``'s parts and the kfp-local summary cut a run by it."""
-        total = self.experiment.iterations
+        total = self.total_iterations
         return range(start, min(total, start + count) if count else total)
 
     def evaluates(self, iteration: int) -> bool:
         """Whether iteration ``iteration`` ends with an evaluation: every ``eval.every``
         iterations and after the last (never with ``eval.every: 0``)."""
         every = self.eval.every
-        return bool(every) and ((iteration + 1) % every == 0 or iteration == self.experiment.iterations - 1)
+        return bool(every) and ((iteration + 1) % every == 0 or iteration == self.total_iterations - 1)
 
     def stores_optimizer(self, iteration: int) -> bool:
         """Whether iteration ``iteration``'s update stores its optimizer state
         (``checkpoint.every``): every N-th iteration, and the last one."""
-        return (iteration + 1) % self.checkpoint.every == 0 or iteration == self.experiment.iterations - 1
+        return (iteration + 1) % self.checkpoint.every == 0 or iteration == self.total_iterations - 1
 
     def slots_of(self, wg: str) -> list[int]:
         """The pool slots worker group ``wg`` runs on (``ray.slots``; default: all)."""

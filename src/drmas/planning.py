@@ -459,18 +459,25 @@ def _lora_params(architecture: Architecture, rank: int, targets: list[str]) -> i
 
 def _training_state(config: DrmasConfig, params: int, dtype_bytes: int, adapters: int = 0) -> tuple[int, int, int]:
     """Per slot: (weights, gradients, optimizer state), standard ZeRO accounting (Rajbhandari
-    et al. 2020, "ZeRO", §5): under bf16 mixed precision 2Ψ weights, 2Ψ gradients (4Ψ on
-    the torch engine, which accumulates them in fp32) and 12Ψ fp32 master weights + Adam
-    moments; in float32 weights, gradients and Adam's two moments at 4 bytes. A LoRA group
-    trains only its adapters' parameters (fp32) beside its frozen base. ZeRO-1 partitions
-    the optimizer state over the data-parallel slots, ZeRO-2 the gradients too, ZeRO-3 the
-    weights too."""
+    et al. 2020, "ZeRO", §5): under bf16 mixed precision 2Ψ weights, 2Ψ gradients (4Ψ where
+    they accumulate in fp32: the torch engine; DeepSpeed's ZeRO-2 and -3, and ZeRO-1 with
+    offload, whose fp32 copy is not partitioned: ``drmas.training.engines.deepspeed_config``)
+    and 12Ψ fp32 master weights + Adam moments; in float32 weights, gradients and Adam's two
+    moments at 4 bytes. A LoRA group trains only its adapters' parameters (fp32) beside its
+    frozen base. ZeRO-1 partitions the optimizer state over the data-parallel slots, ZeRO-2
+    the gradients too, ZeRO-3 the weights too."""
     if adapters:  # LoRA: the frozen base at its dtype; fp32 adapters, their gradients and moments
         weights, grads, optimizer = params * dtype_bytes + adapters * 4, adapters * 4, adapters * 8
     else:
-        mixed = dtype_bytes == 2  # both engines keep fp32 masters; torch accumulates fp32 gradients
+        mixed = dtype_bytes == 2  # both engines keep fp32 masters
+        train = config.train
+        fp32_grads = (
+            train.backend == "torch"
+            or train.zero_stage >= 2
+            or (train.zero_stage, train.offload_optimizer) == (1, True)
+        )
         weights = params * dtype_bytes
-        grads = params * (4 if mixed and config.train.backend == "torch" else dtype_bytes)
+        grads = params * (4 if mixed and fp32_grads else dtype_bytes)
         optimizer = params * (12 if mixed else 2 * dtype_bytes)
     stage, slots = _zero_stage(config), config.ray.pool_size
     return (

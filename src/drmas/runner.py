@@ -40,7 +40,7 @@ from drmas.stages.contracts import (
 )
 from drmas.stages.evaluate import evaluate
 from drmas.stages.policies import init_policies
-from drmas.stages.rollout import rollout
+from drmas.stages.rollout import rollout, run_length
 from drmas.stages.track import RunSummary, eval_line, finish_run, log_iteration, log_question_sets, summary_line
 from drmas.stages.update import OptimizerStateLost, update
 from drmas.stages.warmstart import warmstart
@@ -58,12 +58,17 @@ in memory) before it gives up."""
 def open_run(config: DrmasConfig, store: Store, run_id: str, resume: bool) -> DrmasConfig:
     """Record a new run's resolved config, or check a resumed run's against the record.
 
-    Only ``experiment.iterations`` may change on resume (to extend a run), and where the
+    A config whose ``experiment.epochs`` is not resolved yet is resolved first (its
+    training set read to count them): the recorded config holds the run's iterations.
+    Only the run's length (``experiment.iterations``, ``experiment.epochs``) may change on
+    resume (to extend a run), and where the
     run is stored and tracked (``store.*``, ``tracking.*``: a store moved or reached through
     another endpoint is the same run) and its search served (``task.retrieval_url`` and
     its client settings: the service checks that it serves the same corpus); anything else would make the resumed run a
     different run, so it is refused with the fields named.
     """
+    if config.experiment.iterations is None:
+        config = run_length(config)
     path = f"{run_path(config.experiment.name, run_id)}/run"
     if not store.exists(path):
         if resume:
@@ -88,7 +93,9 @@ def open_run(config: DrmasConfig, store: Store, run_id: str, resume: bool) -> Dr
 
 def _may_change_on_resume(key: str) -> bool:
     """The run's length, where it is stored and tracked, and where its search is served."""
-    return key in ("experiment.iterations", *RETRIEVAL_SERVICE_FIELDS) or key.startswith(("store.", "tracking."))
+    return key in ("experiment.iterations", "experiment.epochs", *RETRIEVAL_SERVICE_FIELDS) or key.startswith(
+        ("store.", "tracking.")
+    )
 
 
 @dataclass
@@ -216,7 +223,7 @@ def train(
     """
     from drmas.infra.tracking import Tracker  # noqa: PLC0415
 
-    experiment, total = config.experiment.name, config.experiment.iterations
+    experiment, total = config.experiment.name, config.total_iterations
     start = resume_point(config, store, run_id)
     if start.next_iteration >= total:
         log.info("run %s: all %d iterations are complete; nothing left to do", run_id, total)

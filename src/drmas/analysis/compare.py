@@ -58,9 +58,10 @@ def compare(
     """Train every (mode, seed), then write the comparison report; returns the runs and the
     report's URI in the store."""
     from drmas.runner import open_run, ray_session, train  # noqa: PLC0415 - the runner pulls in Ray
+    from drmas.stages.rollout import run_length  # noqa: PLC0415
 
     runs: list[ComparisonRun] = []
-    base = load_config(config_path, overrides)
+    base = run_length(load_config(config_path, overrides))  # the report names the runs' length
     store = Store.from_config(base.store)
     first: str | None = None
     # One Ray for all the runs: each frees its pool when it completes, and a local Ray
@@ -269,7 +270,7 @@ def _markdown(
         f"# Advantage modes compared: {name}",
         "",
         f"Team: {', '.join(a.name for a in config.agents)} on `{config.task.orchestra_name}` "
-        f"({len(config.worker_groups())} worker groups), {config.experiment.iterations} iterations, "
+        f"({len(config.worker_groups())} worker groups), {config.total_iterations} iterations, "
         f"seeds {', '.join(map(str, seeds))}; modes {', '.join(modes)}. Runs: "
         + ", ".join(f"`{run.run_id}`" for run in runs)
         + f"; all start from the policies of `{runs[0].run_id}`.",

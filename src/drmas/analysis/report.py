@@ -41,7 +41,7 @@ def run_history(config: DrmasConfig, store: Store, run_id: str) -> History:
     before = f"{run_path(config.experiment.name, run_id)}/init/evaluate"
     if store.exists(before):
         history.append((0, store.open(before).read_json("metrics.json")))
-    for i in range(config.experiment.iterations):
+    for i in range(config.total_iterations):
         metrics = iteration_metrics(config, store, run_id, i)
         if metrics is None:
             break

@@ -76,6 +76,8 @@ __all__ = [
 
 MANIFEST = "_MANIFEST.json"
 MANIFEST_FORMAT = "drmas.artifact/1"
+CHUNK_BYTES = 8 * 2**20
+"""Files put from or read into local files move in chunks of this size."""
 S3_CONNECT_TIMEOUT_S = 5.0
 S3_REQUEST_ATTEMPTS = 3
 """Attempts per HTTP request, 50 and 100 ms apart (the AWS SDK's default retry strategy):
@@ -258,6 +260,35 @@ class Store:
             self._call(self.fs.create_dir, posixpath.dirname(absolute))
         self._call(self._put, absolute, data)
 
+    def _write_from(self, absolute: str, local_path: Path) -> str:
+        """A whole file from a local one, in chunks; its sha256. On S3 a failed upload is
+        put again, whole, from the start of the local file."""
+        if not self.is_s3:
+            self._call(self.fs.create_dir, posixpath.dirname(absolute))
+        return self._call(self._put_from, absolute, local_path)
+
+    def _put_from(self, absolute: str, local_path: Path) -> str:
+        digest = hashlib.sha256()
+        with open(local_path, "rb") as source, self.fs.open_output_stream(absolute) as stream:
+            while chunk := source.read(CHUNK_BYTES):
+                digest.update(chunk)
+                stream.write(chunk)
+        return digest.hexdigest()
+
+    def _read_into(self, absolute: str, target: Path) -> tuple[int, str]:
+        """A whole file into a local one, in chunks: its size and sha256. On S3 a failed or
+        cut transfer is read again from the start."""
+        return self._call(self._get_into, absolute, target)
+
+    def _get_into(self, absolute: str, target: Path) -> tuple[int, str]:
+        digest, size = hashlib.sha256(), 0
+        with self.fs.open_input_stream(absolute) as stream, open(target, "wb") as out:
+            while chunk := stream.read(CHUNK_BYTES):
+                digest.update(chunk)
+                size += len(chunk)
+                out.write(chunk)
+        return size, digest.hexdigest()
+
     def _write_atomically(self, absolute: str, data: bytes) -> None:
         """S3 objects appear whole on upload; a local file is renamed into place."""
         if self.is_s3:
@@ -436,8 +467,25 @@ class Artifact:
                 continue
             target = local_dir / (name[len(prefix.rstrip("/")) + 1 :] if prefix else name)
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(self.read_bytes(name))
+            self._read_verified_into(name, target)
         return local_dir
+
+    def _read_verified_into(self, name: str, target: Path) -> None:
+        """The file streamed into ``target`` (never whole in memory), refused as
+        ``read_bytes`` refuses it; a refused copy is removed."""
+        entry = self._entry(name)
+        location = self.store.uri(self.path, name)
+        try:
+            size, digest = self.store._read_into(self.store._abs(self.path, name), target)
+        except FileNotFoundError:
+            raise CorruptArtifact(f"{location}: listed in the manifest but missing") from None
+        if size != entry.size or digest != entry.sha256:
+            target.unlink()
+            if size != entry.size:
+                raise CorruptArtifact(
+                    f"{location}: {size} bytes, but the manifest says {entry.size} (truncated or modified?)"
+                )
+            raise CorruptArtifact(f"{location}: sha256 differs from the manifest (modified?)")
 
     def _entry(self, name: str) -> FileEntry:
         if name not in self.files:
@@ -506,7 +554,20 @@ class ArtifactWriter:
         return self.write_bytes(name, json.dumps(obj, indent=2, sort_keys=True).encode())
 
     def put_file(self, local_path: str | Path, name: str) -> str:
-        return self.write_bytes(name, Path(local_path).read_bytes())
+        """Write one file from a local one, streamed in chunks (an optimizer state of tens of
+        GB is never held in memory); returns its URI."""
+        name, local_path = _clean(name), Path(local_path)
+        if name == MANIFEST or name in self.files:
+            raise StoreError(f"{self.store.uri(self.path, name)}: written twice or reserved")
+        self._guard()
+        absolute = self.store._abs(self.path, name)
+        size = local_path.stat().st_size
+        faults.reached(
+            self.path, len(self.files) + 1, lambda: self.store._write(absolute, _head(local_path, size // 2))
+        )
+        digest = self.store._write_from(absolute, local_path)
+        self.files[name] = FileEntry(size, digest)
+        return self.store.uri(self.path, name)
 
     def put_dir(self, local_dir: str | Path, prefix: str) -> list[str]:
         """Upload every file under ``local_dir`` as ``prefix/relative/path``."""
@@ -559,6 +620,12 @@ def _parse_manifest(raw: bytes, location: str) -> tuple[dict[str, FileEntry], di
         return files, dict(manifest.get("meta", {}))
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise CorruptArtifact(f"{location}: unreadable manifest ({error})") from None
+
+
+def _head(local_path: Path, size: int) -> bytes:
+    """The first ``size`` bytes of a local file (a torn write's half, for fault tests)."""
+    with open(local_path, "rb") as source:
+        return source.read(size)
 
 
 def _clean(path: str) -> str:

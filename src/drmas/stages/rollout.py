@@ -3,7 +3,8 @@
     rollout(config, store, run_id, iteration, policies, pool) -> RolloutResult
 
 1. Draw ``rollout.prompts_per_iteration`` questions (a fresh permutation every epoch,
-   seeded), and make ``rollout.group_size`` episodes of each (one ``uid`` per question).
+   seeded; an epoch's last partial batch dropped), and make ``rollout.group_size``
+   episodes of each (one ``uid`` per question).
 2. Point every worker group at its policy version (actors reload only on change).
 3. The orchestra plays all episodes; every agent call at every step is ONE batched
    generate on the agent's worker group, with that agent's sampling settings.
@@ -19,13 +20,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from drmas.config import DrmasConfig, SamplingConfig
+from drmas.config import ConfigError, DrmasConfig, SamplingConfig
 from drmas.generation.workers import GenerationResult, PolicyRef
 from drmas.infra.layout import StageResult, stage_path
 from drmas.infra.schema import TRAJECTORY_SCHEMA
 from drmas.infra.store import Store
 from drmas.registry import load_orchestra, task_for
-from drmas.tasks import Question, Split, Tools
+from drmas.tasks import DataError, Question, Split, Tools
 from drmas.team.agents import Parsed
 from drmas.team.episodes import Call, Episode, episodes_to_table
 
@@ -35,6 +36,7 @@ __all__ = [
     "agent_call_metrics",
     "draw_questions",
     "rollout",
+    "run_length",
     "task_questions",
     "task_tools",
 ]
@@ -101,10 +103,31 @@ def task_tools(config: DrmasConfig, store: Store) -> Tools:
     return task_for(config).tools(config, store)
 
 
+def run_length(config: DrmasConfig) -> DrmasConfig:
+    """``config`` with ``experiment.epochs`` resolved into iterations against its training
+    set (read here: ``DrmasConfig.with_epochs_resolved``); unchanged without epochs. A
+    training set that cannot be read is a ConfigError naming the field and the file."""
+    if config.experiment.epochs is None:
+        return config
+    try:
+        questions = task_questions(config, "train")
+    except DataError as error:
+        raise ConfigError([f"experiment.epochs: cannot count the training set: {error}"]) from None
+    return config.with_epochs_resolved(len(questions))
+
+
 def draw_questions(questions: list[Question], count: int, iteration: int, seed: int) -> list[Question]:
-    """Questions for one iteration: consecutive slices of per-epoch seeded permutations."""
+    """Questions for one iteration: consecutive batches of per-epoch seeded permutations.
+    An epoch is ``len(questions) // count`` batches, its last partial batch dropped (as
+    the reference's data loader does, and as ``experiment.epochs`` counts); a set smaller
+    than one batch is drawn from as one stream of permutations instead."""
     if not questions:
         raise ValueError("the training set is empty")
+    per_epoch = len(questions) // count
+    if per_epoch:
+        epoch, batch = divmod(iteration, per_epoch)
+        order = np.random.default_rng([seed, epoch]).permutation(len(questions))
+        return [questions[i] for i in order[batch * count : (batch + 1) * count]]
     start = iteration * count
     drawn: list[Question] = []
     while len(drawn) < count:

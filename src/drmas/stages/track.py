@@ -255,7 +255,7 @@ def track_end(config: DrmasConfig, store: Store, run_id: str, last_iteration: in
     try:
         tracker = _open(config, store, run_id)
         summary.tracking = tracker.url
-        if last_iteration == config.experiment.iterations - 1:
+        if last_iteration == config.total_iterations - 1:
             groups = [group.name for group in config.worker_groups()]
             policies = {wg: policy_path(config.experiment.name, run_id, last_iteration, wg) for wg in groups}
             finish_run(config, store, run_id, tracker, summary, policies, history)

@@ -159,13 +159,12 @@ def update_rank(
     ``worker``: the pool worker it runs in, whose engine takes the new weights and which
     keeps this rank's training state for the next update."""
     import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
 
     from drmas.generation.lora import merge_lora  # noqa: PLC0415
-    from drmas.training.engines import rank_and_world  # noqa: PLC0415
+    from drmas.training.engines import rank_and_world, wait_for_all  # noqa: PLC0415
     from drmas.training.loop import train_worker_group  # noqa: PLC0415
     from drmas.training.lora import adapter_config, split_weights  # noqa: PLC0415
-    from drmas.training.state import state_files  # noqa: PLC0415
+    from drmas.training.state import drain, write_state  # noqa: PLC0415
 
     started = time.perf_counter()
     store = Store.from_config(store_settings)
@@ -190,28 +189,31 @@ def update_rank(
             policy_path(experiment, run_id, iteration, wg),
             optim_path(experiment, run_id, iteration, wg),
         )
-        # Every rank takes part in gathering partitioned weights and optimizer state.
+        # Every rank takes part in gathering partitioned weights and optimizer state; rank 0
+        # writes the state to its scratch folder as it is gathered, one tensor at a time.
         weights = engine.full_weights()
-        state = engine.export_state() if config.stores_optimizer(iteration) else None
+        saved = Path(scratch) / "out"
+        stores_optimizer = config.stores_optimizer(iteration)
+        if stores_optimizer:
+            stream = engine.state_stream()
+            write_state(stream, saved / "optim") if rank == 0 else drain(stream)
         if held.lora_base is not None and worker is not None:  # its engine takes the merged weights
             weights = merge_lora(*split_weights(model), adapter_config(model))
         if rank == 0:
-            saved = Path(scratch) / "out"
             if held.lora_base is not None:
                 _save_adapter(model, held.lora_base, saved / "policy")
             else:
                 model.save_pretrained(saved / "policy", safe_serialization=True, state_dict=weights)
             tokenizer.save_pretrained(saved / "policy")
             meta = {"stage": "update", "iteration": iteration, "wg": wg, "cache_key": cache_key}
-            if state is not None:
+            if stores_optimizer:
                 with store.writer(out_optim, overwrite=overwrite, meta=meta) as out:
-                    for name, data in state_files(state).items():
-                        out.write_bytes(name, data)
+                    out.put_dir(saved / "optim", "")
             with store.writer(out_policy, overwrite=overwrite, meta=meta) as out:
                 out.put_dir(saved / "policy", "")
                 out.write_json("metrics.json", metrics)
         if world > 1:  # every rank returns the artifact: it exists once they do
-            dist.barrier()
+            wait_for_all(ARTIFACT_WAIT_S)
         if worker is not None:
             worker.adopt(weights if weights is not None else model.state_dict(), PolicyRef(out_policy))
             held.policy, held.optim = PolicyRef(out_policy), PolicyRef(out_optim)
@@ -219,6 +221,13 @@ def update_rank(
             held.offload()
             worker.keep_training(held)
     return StageResult(out_policy, metrics)
+
+
+ARTIFACT_WAIT_S = 6 * 3600.0
+"""How long ranks 1..N wait for rank 0 to store the update's policy (and at a checkpoint
+its optimizer state: 56 GB for the math recipe, an hour at 15 MB/s). The group's own
+collectives time out after 10 minutes, which aborted them while rank 0 uploaded; a rank 0
+that fails makes the pool rebuild the group, which ends the wait sooner."""
 
 
 def _start_training(

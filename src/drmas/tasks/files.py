@@ -589,8 +589,24 @@ def _column(
     columns = sorted({key for _, row in rows.rows for key in row})
     tried = f"; nor any of its published forms: {', '.join(forms)}" if configured == default else ""
     raise DataError(
-        f"{rows.name}: no {role} column {configured!r} (set data.{role}_field); columns: {', '.join(columns)}{tried}"
+        f"{rows.name}: no {role} column {configured!r} (set data.{role}_field); columns: {', '.join(columns)}"
+        f"{_nested_keys(rows, configured)}{tried}"
     )
+
+
+def _nested_keys(rows: Rows, field: str) -> str:
+    """For a dotted ``field`` that is missing: the keys found at the deepest part of its
+    path that the rows do have (``; reward_model.ground_truth holds: answers``), else
+    nothing."""
+    parts = field.split(".")
+    for depth in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:depth])
+        keys = sorted(
+            {key for _, row in rows.rows if isinstance(value := field_value(row, prefix), dict) for key in value}
+        )
+        if keys:
+            return f"; {prefix} holds: {', '.join(keys)}"
+    return ""
 
 
 def _default(data: DataConfig, field: str) -> Any:

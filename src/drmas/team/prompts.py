@@ -15,7 +15,9 @@ prompt through the set's function for its role.
   wrote a malformed output in nearly every call (no box, no verdict), so every reward was 0.
 
 The reference's wording is paraphrased here, not copied; its headings and the order of the
-parts are kept.
+parts are kept, and the reference set asks for nothing the reference's prompts do not ask
+for (no brevity, no extra checks, no example the reference does not give; the fidelity
+review of 2026-12-03 listed the instructions earlier versions had added).
 """
 
 from __future__ import annotations
@@ -143,8 +145,6 @@ def _compact_answerer(episode: Episode, step: int, history_length: int) -> str:
 # reference: the reference's sections and instructions (pretrained models)
 # ------------------------------------------------------------------------------------
 
-NO_TEAMMATES = "(none yet: you are the first to act)"
-
 
 def _sections(*parts: tuple[str, str]) -> str:
     """Markdown sections, as the reference's agent templates lay out their prompts."""
@@ -160,7 +160,7 @@ def _math_task(episode: Episode) -> tuple[str, str]:
 
 
 def _teammates(episode: Episode, heading: str = "Your Teammates' Outputs") -> tuple[str, str]:
-    return heading, "\n\n".join(episode.team_context) or NO_TEAMMATES
+    return heading, "\n\n".join(episode.team_context)
 
 
 def _reference_solver(episode: Episode) -> str:
@@ -169,10 +169,9 @@ def _reference_solver(episode: Episode) -> str:
         _teammates(episode),
         (
             "Your Role",
-            "You are the Solver. Solve the problem: reason step by step and derive the correct answer. Your "
-            "teammates' outputs above, if any, are context to help you; they may be wrong, so check them "
-            "rather than copy them. End your response with the final answer, and nothing else, inside "
-            "\\boxed{}.",
+            "You are the Solver. Solve the problem: reason step by step and derive the correct answer. Take "
+            "your teammates' outputs above, if there are any, as supporting context. Give the final answer "
+            "inside \\boxed{}.",
         ),
     )
 
@@ -184,9 +183,9 @@ def _reference_verifier(episode: Episode) -> str:
         (
             "Your Role",
             "You are the Verifier. Critically review the Solver's most recent solution above: check each step, "
-            "formula and conclusion for accuracy, completeness and logical consistency. Say briefly what you "
-            "found, then end your response with exactly <verify>approve</verify> if the solution is entirely "
-            "correct, or <verify>reject</verify> if anything in it is wrong.",
+            "formula and conclusion for accuracy, completeness and logical consistency. End your response "
+            "with exactly <verify>approve</verify> if the solution is entirely correct, or "
+            "<verify>reject</verify> if anything in it is wrong.",
         ),
     )
 
@@ -207,7 +206,7 @@ def _search_task(episode: Episode, history_length: int) -> tuple[str, str]:
     return "Task Introduction", text
 
 
-THINK_ONCE = "First think inside one <think> </think> block"
+THINK_FIRST = "First reason inside <think> and </think>"
 
 
 def _reference_router(episode: Episode, step: int, history_length: int) -> str:
@@ -232,9 +231,8 @@ def _reference_searcher(episode: Episode, step: int, history_length: int) -> str
         (
             "Your Role",
             "You are the Search agent: you query the search engine for the team. "
-            f"{THINK_ONCE} about the question, the earlier queries and results, and your teammates' outputs; "
-            "then write exactly one search query inside <search> and </search>, for example "
-            "<search>capital of Australia</search>.",
+            f"{THINK_FIRST} about the question, the earlier queries and results, and your teammates' outputs; "
+            "then write one search query inside <search> and </search>.",
         ),
     )
 
@@ -244,9 +242,10 @@ def _reference_answerer(episode: Episode, step: int, history_length: int) -> str
         _search_task(episode, history_length),
         (
             "Your Role",
-            "You are the Answer agent. Answer the question accurately, from the earlier queries, the "
-            f"retrieved information and your own knowledge. {THINK_ONCE}, then give the final answer inside "
-            "<answer> and </answer>: only the answer, in a few words, for example <answer>Beijing</answer>.",
+            "You are the Answer agent. Answer the question thoroughly, correctly and with careful reasoning, "
+            "drawing on the earlier queries, the retrieved information and what you know yourself. "
+            f"{THINK_FIRST}, then give the final answer inside <answer> and </answer>, for example "
+            "<answer>Beijing</answer>.",
         ),
     )
 

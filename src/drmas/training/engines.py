@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 from collections.abc import Iterator
@@ -18,13 +19,15 @@ import torch.distributed as dist
 
 from drmas.config import DrmasConfig, WorkerGroup
 from drmas.training.state import (
+    StateStream,
     TrainState,
-    capture_state,
+    collect,
     restore_scheduler,
     restore_state,
     saved_masters,
     scheduler_state,
     state_mismatch,
+    stream_state,
 )
 
 __all__ = [
@@ -37,6 +40,7 @@ __all__ = [
     "make_engine",
     "rank_and_world",
     "training_device",
+    "wait_for_all",
     "zero3_optimizer_homes",
 ]
 
@@ -45,6 +49,19 @@ def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def wait_for_all(timeout_s: float) -> None:
+    """A barrier of the whole process group with a timeout of its own, on gloo (host
+    memory only): for ranks that wait while one rank does long work alone (rank 0 stores the
+    update's policy and optimizer state), longer than the group's collectives may take. Its
+    group is made for the wait (``new_group`` is itself a barrier, with this timeout) and
+    destroyed after it."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        dist.barrier(group=group)
+    finally:
+        dist.destroy_process_group(group)
 
 
 def training_device() -> torch.device:
@@ -77,7 +94,14 @@ class TrainEngine(Protocol):
         """Clip and step; skip (and clear) on a non-finite norm. Returns (stepped, norm)."""
         ...
 
-    def export_state(self) -> TrainState: ...
+    def state_stream(self) -> StateStream:
+        """The optimizer state, one tensor at a time (a collective where it is partitioned:
+        every rank consumes the whole stream, in order)."""
+        ...
+
+    def export_state(self) -> TrainState:
+        """``state_stream``, held whole in memory."""
+        ...
 
     def import_state(self, state: TrainState) -> None: ...
 
@@ -124,7 +148,9 @@ def _fp32_masters(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.nn.P
     """What the optimizer steps for each parameter: an fp32 one itself; for a bf16 one an
     fp32 master copy, into whose gradient each backward's bf16 gradient is added at once
     (a post-accumulate hook; the bf16 gradient is dropped), so that gradients accumulate
-    over micro-batches in fp32 as DeepSpeed's bf16 optimizer accumulates them."""
+    over micro-batches in fp32 (and are summed across ranks in fp32), as DeepSpeed's ZeRO-2
+    and -3 and its ZeRO-1 with offload do under ``deepspeed_config``; DeepSpeed's ZeRO-0 and
+    ZeRO-1 without offload accumulate in bf16."""
     masters = {}
     for name, param in params.items():
         if param.dtype == torch.float32:
@@ -162,9 +188,10 @@ class TorchEngine:
 
     A bf16 model trains in mixed precision, as DeepSpeed's bf16 does: it computes in bf16
     (the model that is stored and rolled out is the one that trains, so trainer and engine
-    see the same weights), while AdamW steps fp32 master weights with fp32 gradients and
-    moments and the model takes the masters, rounded, after each step. An update below half
-    a bf16 ulp of a weight (lr 1e-5 on a weight of 1: bf16 keeps 8 bits) adds up in the
+    see the same weights), while AdamW steps fp32 master weights with fp32 gradients
+    (accumulated over the micro-batches and summed across ranks in fp32: ``_fp32_masters``)
+    and moments, and the model takes the masters, rounded, after each step. An update below
+    half a bf16 ulp of a weight (lr 1e-5 on a weight of 1: bf16 keeps 8 bits) adds up in the
     master instead of being rounded away at every step. Chosen over fp32 weights under
     ``torch.autocast``: that keeps 4 bytes a weight resident plus autocast's bf16 copies,
     and computes norms and residuals in fp32, unlike the bf16 model the rollout runs.
@@ -203,8 +230,11 @@ class TorchEngine:
         self.optimizer.zero_grad(set_to_none=True)
         return stepped, norm
 
+    def state_stream(self) -> StateStream:
+        return stream_state(self.model, self.optimizer, self.scheduler, self._separate_masters())
+
     def export_state(self) -> TrainState:
-        return capture_state(self.model, self.optimizer, self.scheduler, self._separate_masters())
+        return collect(self.state_stream())
 
     def import_state(self, state: TrainState) -> None:
         restore_state(state, self.model, self.optimizer, self.scheduler, self._separate_masters())
@@ -295,14 +325,29 @@ class DeepSpeedEngine:
         return _gradient_norm(self.params) if self.zero_stage == 0 else float("nan")
 
     def step(self, norm: float) -> tuple[bool, float]:
+        """ZeRO-0: skipped here on a non-finite norm (DeepSpeed's bf16 ZeRO-0 optimizer has
+        no loss scaler to skip it). ZeRO-1/2/3: DeepSpeed skips a step whose gradient is not
+        finite (``deepspeed_config``), counts it in ``skipped_steps`` and reports an
+        infinite norm; the step says it was skipped.
+
+        ZeRO-1/2 with offload and fp32 accumulation keep the skipped step's non-finite fp32
+        gradient partition (``averaged_gradients``): DeepSpeed 0.19.8 drops it on a skip only
+        without offload (runtime/zero/stage_1_and_2.py:3050-3061), and every later step would
+        add to it and be skipped too. It is dropped here, as the skip without offload does."""
         if self.zero_stage == 0 and not math.isfinite(norm):
             self.engine.zero_grad()
             return False, norm
+        skipped = self.engine.skipped_steps
         self.engine.step()
         if self.zero_stage == 0:
             return True, norm
+        stepped = self.engine.skipped_steps == skipped
+        if not stepped and self.zero_stage < 3:
+            zero = self.engine.optimizer
+            for group in zero.averaged_gradients:
+                zero.averaged_gradients[group] = None
         reported = self.engine.get_global_grad_norm()
-        return True, float(reported) if reported is not None else float("nan")
+        return stepped, float(reported) if reported is not None else float("nan")
 
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
@@ -375,27 +420,38 @@ class DeepSpeedEngine:
             if flat in zero.optimizer.state:
                 lazy_init_hp_params_optimizer_state(params, flat, zero.optimizer.state)
 
-    def export_state(self) -> TrainState:
+    def state_stream(self) -> StateStream:
         """ZeRO-1/2/3 keep Adam's moments (and with bf16 the fp32 master weights) in flat
-        partitions: gather them per parameter (a collective: every rank calls this), so the
-        saved state has one layout whatever the stage and the number of ranks. Before the
-        optimizer's first step (an update whose every step was skipped) there are no moments
-        yet: the state says so as the torch engine's does (no steps), and DeepSpeed, which
-        cannot gather moments it has not made, is not asked for them."""
+        partitions: each is gathered whole per parameter when the stream reaches it (a
+        collective: every rank consumes the stream), so the saved state has one layout
+        whatever the stage and the number of ranks, and no rank holds more than one
+        parameter's state at a time. Before the optimizer's first step (an update whose
+        every step was skipped) there are no moments yet: the state says so as the torch
+        engine's does (no steps), and DeepSpeed, which cannot gather moments it has not
+        made, is not asked for them."""
         if self.zero_stage == 0:
-            return capture_state(self.model, self.optimizer, self.scheduler, self._zero0_masters())
+            return stream_state(self.model, self.optimizer, self.scheduler, self._zero0_masters())
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: PLC0415
 
-        tensors: dict[str, torch.Tensor] = {"rng/torch": torch.get_rng_state()}
+        rng = torch.get_rng_state()
+        specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [("rng/torch", rng.dtype, tuple(rng.shape))]
+        producers: list[Any] = [lambda: rng]
         trainable = _trainable(self.model)
         stepped = any(flat in self.engine.optimizer.optimizer.state for flat in self._flat_partitions())
         for name, param in trainable.items():
+            shape = tuple(full_shape(param))
             for key in ("exp_avg", "exp_avg_sq") if stepped else ():
-                tensors[f"optim/{name}/{key}"] = safe_get_full_optimizer_state(param, key).detach().cpu().contiguous()
+                specs.append((f"optim/{name}/{key}", torch.float32, shape))
+                producers.append(partial(safe_get_full_optimizer_state, param, key))
             if self.bf16:
-                tensors[f"master/{name}"] = safe_get_full_fp32_param(param).detach().cpu().contiguous()
+                specs.append((f"master/{name}", torch.float32, shape))
+                producers.append(partial(safe_get_full_fp32_param, param))
         steps = dict.fromkeys(trainable, self._base_step()) if stepped else {}
-        return TrainState(tensors, {"scheduler": scheduler_state(self.scheduler), "steps": steps})
+        tensors = (produce().detach().cpu().contiguous() for produce in producers)
+        return StateStream(specs, tensors, {"scheduler": scheduler_state(self.scheduler), "steps": steps})
+
+    def export_state(self) -> TrainState:
+        return collect(self.state_stream())
 
     def import_state(self, state: TrainState) -> None:
         """The moments, steps, scheduler and RNG; with bf16 the saved fp32 masters too, then
@@ -542,22 +598,51 @@ def deepspeed_config(config: DrmasConfig, group: WorkerGroup, world: int) -> dic
     with ``train.offload_optimizer``, Adam's state and step in host memory (ZeRO >= 1).
 
     Offloading keeps the torch AdamW: DeepSpeed refuses a client optimizer there unless
-    ``zero_force_ds_cpu_optimizer`` is off (its CPU Adam compiles for a minute on CPU)."""
+    ``zero_force_ds_cpu_optimizer`` is off (its CPU Adam compiles for a minute on CPU).
+
+    Gradients of a bf16 model (DeepSpeed 0.19.8; each micro-batch's own gradient is bf16,
+    as autograd makes it): every stage reduces across ranks in fp32
+    (``communication_data_type``; DeepSpeed's default is the model's dtype,
+    runtime/engine.py:1718-1730). ZeRO-2 and ZeRO-3, with or without offload, and ZeRO-1
+    with offload also accumulate the micro-batches in fp32 (``data_types.grad_accum_dtype``):
+    ZeRO-1/2 into an fp32 partition on the device, also under offload, which then bypasses
+    the bf16 host buffer of ``async_accumulate_grad_in_cpu_via_gpu``
+    (runtime/zero/stage_1_and_2.py:1259-1266, 1324-1326, 2145-2160; ZeRO-1 keeps an fp32
+    copy of every gradient, not partitioned, :395-404); ZeRO-3 into its gradient partitions
+    (runtime/zero/stage3.py:791-793, 1885-1886, 1943-1944, 2030-2035; on the host with
+    offload). Still bf16 (DeepSpeed has no fp32 accumulation there that keeps its ZeRO
+    optimizer, runtime/engine.py:2294-2323): ZeRO-0 (its DDP_BFLOAT16 path: gradients add up
+    in ``param.grad``; fp32 accumulation is refused as an "unsupported mix") and ZeRO-1
+    without offload (fp32 accumulation would swap in DeepSpeed's ``BF16_Optimizer``, whose
+    state this engine does not read). There the sum is reduced in fp32 and rounded back to
+    bf16. The torch backend accumulates in fp32 with ZeRO-0's layout; ZeRO-2's fp32
+    partition (4 bytes a parameter over the ranks) is smaller than ZeRO-1's bf16 gradients
+    (2 bytes a parameter) on more than two ranks.
+
+    A step whose gradient is not finite is skipped: ZeRO-1/2 check the gradients for
+    inf/NaN (``check_grad_overflow``, set here rather than left to its default) and the
+    norm (stage_1_and_2.py:3027-3060), ZeRO-3 the norm (stage3.py:2882-2894); ZeRO-0 is
+    checked by ``DeepSpeedEngine.step``."""
     train = config.train
     zero: dict[str, Any] = {"stage": train.zero_stage}
     if train.offload_optimizer:  # the config refuses it with ZeRO-0 (no partition to offload)
         zero["offload_optimizer"] = {"device": "cpu"}
-    return {
+    bf16 = group.spec is not None and group.spec.dtype == "bfloat16"
+    ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "train_batch_size": world,
         "gradient_clipping": train.grad_clip,
         "zero_optimization": zero,
         "zero_force_ds_cpu_optimizer": False,
-        "bf16": {"enabled": group.spec is not None and group.spec.dtype == "bfloat16"},
+        "bf16": {"enabled": bf16, "check_grad_overflow": True},
+        "communication_data_type": "fp32",
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if train.zero_stage >= 2 or (train.zero_stage == 1 and train.offload_optimizer):
+        ds["data_types"] = {"grad_accum_dtype": "fp32"}
+    return ds
 
 
 def full_shape(param: torch.nn.Parameter) -> torch.Size:

@@ -310,7 +310,7 @@ def training_pipeline(
     workflow: split a long run into pipelines of ``iterations`` each, every one starting
     from the checkpoint the previous one ended with.
     """
-    total = config.experiment.iterations
+    total = config.total_iterations
     if not 0 <= start_iteration < total:
         raise ValueError(f"start iteration {start_iteration} is not in 0..{total - 1} (experiment.iterations={total})")
     if iterations is not None and iterations < 1:
@@ -364,7 +364,7 @@ def evaluation_pipeline(
 
 def default_checkpoint(config: DrmasConfig, run_id: str, iteration: int | None = None) -> str:
     """The store URI of the run's checkpoint of ``iteration`` (default: the last one)."""
-    i = config.experiment.iterations - 1 if iteration is None else iteration
+    i = config.total_iterations - 1 if iteration is None else iteration
     return store_uri(config, stage_path(config.experiment.name, run_id, i, "checkpoint"))
 
 

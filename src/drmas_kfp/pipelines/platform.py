@@ -3,10 +3,17 @@
 ``place(task, placement)`` decorates a task through kfp-kubernetes; the pipelines apply it
 to every task they create (importers aside: they start no pod). The S3 credentials reach
 each step as environment variables from the Kubernetes secret ``drmas-s3`` (in the
-pipeline namespace: ``manifests/pipelines/secrets.yaml``), never as pipeline parameters.
+pipeline namespace, created by the operator), never as pipeline parameters.
 The steps that drive the run's pool on a Ray cluster (rollout, update, evaluate with
 ``ray.address``) also get ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN`` from the secret
-``drmas-ray-token`` (key ``auth_token``); the RayCluster refuses clients without it.
+``drmas-ray-token`` (key ``auth_token``); the RayCluster refuses clients without it. The
+tracking steps get MLflow's client credentials (``MLFLOW_TRACKING_USERNAME``/``PASSWORD``)
+from the secret ``drmas-mlflow-auth``: the manifests' MLflow runs its basic-auth app. The
+operator creates these secrets (``manifests/README.md``, "Secrets"); no step starts while
+one it names is missing. Every step's pod carries the label ``POD_LABEL``
+(``drmas.io/pipeline-step: "true"``), which the NetworkPolicies of ``manifests/`` admit to
+Ray, MLflow and the retrieval service; KFP's own label, which every v2 pipeline's pods
+carry, admits nothing (KFP applies pod labels since 2.1, kubeflow/pipelines#10393).
 
 Versions. The spec is compiled by kfp 2.17.3 with kfp-kubernetes 2.17.3 (both pinned).
 KFP's backend reads the Kubernetes part of it with its own copy of kfp-kubernetes'
@@ -49,6 +56,9 @@ __all__ = [
     "CPU_NODES",
     "DEFAULT_BACKEND",
     "GPU_NODES",
+    "MLFLOW_AUTH_KEYS",
+    "MLFLOW_AUTH_SECRET",
+    "POD_LABEL",
     "RAY_TOKEN_KEY",
     "RAY_TOKEN_SECRET",
     "SCRATCH",
@@ -69,7 +79,15 @@ S3_OPTIONAL_KEYS = ("AWS_ENDPOINT_URL",)
 """Keys a step gets when the secret has them (the endpoint of an in-cluster S3 server)."""
 RAY_TOKEN_SECRET = "drmas-ray-token"
 RAY_TOKEN_KEY = "auth_token"
-"""The Secret and key of the Ray cluster's token (``manifests/pipelines/secrets.yaml``)."""
+"""The Secret and key of the Ray cluster's token (``manifests/README.md``, "Secrets")."""
+MLFLOW_AUTH_SECRET = "drmas-mlflow-auth"
+MLFLOW_AUTH_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+"""The Secret and keys of MLflow's client credentials (the tracking steps get them as
+environment variables of the same name, which MLflow's client reads)."""
+TRACKING_STAGES = ("track_start", "track", "track_end")
+"""The steps that log to MLflow."""
+POD_LABEL = ("drmas.io/pipeline-step", "true")
+"""The label of every drmas step's pod: what the NetworkPolicies admit (``manifests/``)."""
 SCRATCH = "/tmp"
 """Where the update pods' scratch volume is mounted: the default temporary folder of Python
 (``tempfile``) and of Ray (its session folder, object spilling), so no environment
@@ -90,6 +108,8 @@ class Placement:
     tolerations: tuple[dict[str, str], ...] = ()
     ray_token: bool = False
     """Joins the run's Ray cluster: gets the cluster's token (``RAY_AUTH_MODE=token``)."""
+    mlflow_auth: bool = False
+    """Logs to MLflow: gets its client credentials (``MLFLOW_AUTH_SECRET``)."""
     scratch: str | None = None
     """Size limit of an ``emptyDir`` scratch volume at ``SCRATCH`` (``/tmp``), or none."""
 
@@ -138,6 +158,8 @@ def placement_for(stage: str, config) -> Placement:
         return replace(GPU_NODES, accelerator_count=config.ray.pool_size, scratch=scratch)
     if stage in GPU_STAGES:
         return GPU_NODES
+    if stage in TRACKING_STAGES:
+        return replace(CPU_NODES, mlflow_auth=True)
     return CPU_NODES
 
 
@@ -205,7 +227,9 @@ kfp.dsl.pipeline_task.inspect = _CallerNameOnly()  # type: ignore[assignment]
 
 def place(task: PipelineTask, placement: Placement, secret: str = S3_SECRET) -> PipelineTask:
     """Requests, limits, accelerator, node selector, tolerations, the S3 secret as env, the
-    Ray token where the step joins the cluster, and the scratch volume where it has one."""
+    Ray token where the step joins the cluster, MLflow's credentials where it logs, the
+    scratch volume where it has one, and the pod label the NetworkPolicies admit."""
+    kubernetes.add_pod_label(task, label_key=POD_LABEL[0], label_value=POD_LABEL[1])
     task.set_cpu_request(placement.cpu).set_cpu_limit(placement.cpu_limit)
     task.set_memory_request(placement.memory).set_memory_limit(placement.memory_limit)
     if placement.accelerator_type and placement.accelerator_count:
@@ -222,6 +246,10 @@ def place(task: PipelineTask, placement: Placement, secret: str = S3_SECRET) -> 
         task.set_env_variable("RAY_AUTH_MODE", "token")
         kubernetes.use_secret_as_env(
             task, secret_name=RAY_TOKEN_SECRET, secret_key_to_env={RAY_TOKEN_KEY: "RAY_AUTH_TOKEN"}
+        )
+    if placement.mlflow_auth:
+        kubernetes.use_secret_as_env(
+            task, secret_name=MLFLOW_AUTH_SECRET, secret_key_to_env={key: key for key in MLFLOW_AUTH_KEYS}
         )
     if placement.scratch:
         # KFP has no ephemeral-storage request (kfp.dsl.structures.ResourceSpec: cpu,
