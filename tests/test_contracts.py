@@ -8,6 +8,7 @@ by stage function, with every read of a config field recorded, and compares.
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,8 +23,12 @@ from helpers import ROOT, TINY_OVERRIDES
 
 from drmas.config import DrmasConfig, Section, load_config
 from drmas.generation.pool import RayPool
-from drmas.infra.layout import PolicyRef, stage_path
-from drmas.infra.store import Store, iteration_path
+from drmas.infra.code import PACKAGE_ROOT, module_fingerprint
+from drmas.infra.layout import PolicyRef, iteration_path, stage_path
+from drmas.infra.store import Store
+from drmas.stages import contracts as contracts_module
+from drmas.stages import policies as policies_module
+from drmas.stages import warmstart as warmstart_module
 from drmas.stages.advantage import advantage
 from drmas.stages.checkpoint import checkpoint
 from drmas.stages.contracts import (
@@ -32,16 +37,20 @@ from drmas.stages.contracts import (
     AdvantageContract,
     CheckpointContract,
     EvaluateContract,
+    PoliciesContract,
     RolloutContract,
     StageContract,
     UpdateContract,
+    WarmstartContract,
     cache_key,
     settings_label,
 )
 from drmas.stages.evaluate import evaluate
+from drmas.stages.iteration import RUN_STAGES
 from drmas.stages.policies import init_policies
 from drmas.stages.rollout import rollout
 from drmas.stages.update import update
+from drmas.stages.warmstart import warmstart
 
 # --------------------------------------------------------------------------------------
 # recording what a call reads
@@ -86,7 +95,7 @@ def recording(config: DrmasConfig) -> Iterator[set[str]]:
     def recording_getattribute(section: Section, name: str) -> Any:
         value = object.__getattribute__(section, name)
         path = paths.get(id(section))
-        if path is None:
+        if path is None or KEYING:
             return value
         if name in dumps:
             reads.add(path)
@@ -97,6 +106,22 @@ def recording(config: DrmasConfig) -> Iterator[set[str]]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Section, "__getattribute__", recording_getattribute)
         yield reads
+
+
+KEYING: list[bool] = []
+"""Non-empty while a stage makes a cache key: the key reads the whole resolved config by
+design (and keeps only the contract's fields), which is not the stage reading it."""
+
+
+def unrecorded(function: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        KEYING.append(True)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            KEYING.pop()
+
+    return call
 
 
 def covered(read: str, fields: tuple[str, ...]) -> bool:
@@ -162,14 +187,15 @@ def _in_process_ray() -> dict[str, ModuleType]:
 RUN = "contracts"
 SETTINGS = [
     *TINY_OVERRIDES,
-    "warmstart.steps=0",
+    "warmstart.steps=1",
     "eval.every=1",
     "eval.k=2",
     "eval.max_questions=2",
     "algorithm.kl_coef=0.01",
 ]
 """The tiny math team, one iteration with an evaluation; a KL term so that the update
-reads its reference policy too."""
+reads its reference policy too; a one-step warm start (its reads in the process that
+fine-tunes are not recorded: it reads its config from JSON there)."""
 
 
 @dataclass
@@ -202,7 +228,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyIteration:
     folder = tmp_path_factory.mktemp("contracts")
     config = tiny_config(folder)
     store = Store.from_config(config.store)
-    run = TinyIteration(config, store, init_policies(config, store, RUN), {})
+    run = TinyIteration(config, store, {}, {})
     threads = torch.get_num_threads()
 
     def on_a_pool(stage: Callable[[RayPool], Any]) -> Callable[[], Any]:
@@ -215,7 +241,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyIteration:
     with pytest.MonkeyPatch.context() as patch:
         for name, module in _in_process_ray().items():
             patch.setitem(sys.modules, name, module)
+        for module in (contracts_module, policies_module, warmstart_module):  # the stages that key themselves
+            patch.setattr(module, "cache_key", unrecorded(cache_key))
         try:
+            run.initial = run.record("policies", lambda: init_policies(config, store, RUN))
+            run.record("warmstart", lambda: warmstart(config, store, RUN, run.initial))
             run.record("rollout", on_a_pool(lambda pool: rollout(config, store, RUN, 0, run.initial, pool)))
             run.record("advantage", lambda: advantage(config, store, RUN, 0))
             for wg, policy in run.initial.items():
@@ -235,6 +265,8 @@ def contracts_of(run: TinyIteration) -> list[StageContract]:
     """The contract of each stage of the tiny iteration, with its arguments."""
     wg, policy = next(iter(run.initial.items()))
     return [
+        PoliciesContract(RUN, wg),
+        WarmstartContract(RUN, wg, policy),
         RolloutContract(RUN, 0, run.initial),
         AdvantageContract(RUN, 0),
         UpdateContract(RUN, 0, wg, policy, None, policy),
@@ -252,11 +284,14 @@ def contracts_of(run: TinyIteration) -> list[StageContract]:
 def test_a_stage_reads_only_the_config_its_contract_lists(tiny, stage):
     """Whatever a stage reads is in its cache key: a read the contract does not list would
     let a changed config reuse an output computed under the old one. Where the run is
-    stored, tracked and scheduled (placement) never changes what a stage writes."""
+    stored, tracked and scheduled (placement) never changes what a stage writes. The warm
+    start hands its whole config (JSON) to the process that fine-tunes: that hand-off is
+    not a read, and what it reads there is not recorded."""
     fields = CONTRACTS[stage].fields
     assert tiny.reads[stage], f"{stage}: no config read was recorded (is the recording broken?)"
     allowed = (*fields, *CONTRACTS[stage].storage_fields, *PLACEMENT_FIELDS)
-    unlisted = sorted(read for read in tiny.reads[stage] if not covered(read, allowed))
+    handed_over = {""} if stage == "warmstart" else set()
+    unlisted = sorted(read for read in tiny.reads[stage] - handed_over if not covered(read, allowed))
     assert not unlisted, f"the {stage} stage reads {unlisted}, which its contract does not list ({fields})"
 
 
@@ -278,7 +313,7 @@ def test_the_update_key_follows_the_sampling_temperature(tiny, tmp_path):
         for contract in contracts_of(tiny)
         if cache_key(hotter, tiny.store, contract) == cache_key(tiny.config, tiny.store, contract)
     }
-    assert unchanged == {"advantage", "checkpoint"}
+    assert unchanged == {"policies", "warmstart", "advantage", "checkpoint"}
 
 
 def test_no_key_follows_placement(tiny, tmp_path):
@@ -333,3 +368,32 @@ def test_what_decides_only_what_is_stored_leaves_the_key_alone(tiny):
         }
     )
     assert cache_key(tiny.config, tiny.store, contract) == cache_key(changed, tiny.store, contract)
+
+
+def test_a_stage_key_follows_the_code_that_computes_it(tmp_path):
+    """The code fingerprint covers a stage's module and what it imports: editing the
+    advantage's module changes the advantage's fingerprint and not the checkpoint's;
+    editing the math it imports changes the advantage's and the update's; an untouched
+    copy of the package has the installed one's fingerprints."""
+    package = tmp_path / "drmas"
+    shutil.copytree(PACKAGE_ROOT, package, ignore=shutil.ignore_patterns("__pycache__"))
+    modules = [f"drmas.stages.{stage}" for stage in RUN_STAGES]
+    installed = {module: module_fingerprint(module) for module in modules}
+    assert {module: module_fingerprint(module, package) for module in modules} == installed
+
+    def changed_after_editing(relative: str) -> set[str]:
+        with (package / relative).open("a") as source:
+            source.write("\n# edited\n")
+        now = {module: module_fingerprint(module, package) for module in modules}
+        return {module.rsplit(".", 1)[1] for module in modules if now[module] != installed[module]}
+
+    edited_stage = changed_after_editing("stages/advantage.py")
+    assert "advantage" in edited_stage and "checkpoint" not in edited_stage
+    assert {"advantage", "update"} <= changed_after_editing("algos.py")
+
+
+def test_the_cache_key_holds_the_code_fingerprint(tiny, monkeypatch):
+    contract = AdvantageContract(RUN, 0)
+    before = cache_key(tiny.config, tiny.store, contract)
+    monkeypatch.setattr(contracts_module, "_code", lambda module: "other code")
+    assert cache_key(tiny.config, tiny.store, contract) != before

@@ -9,16 +9,19 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from helpers import stored_rollout
 
 from drmas.config import load_config
+from drmas.infra.layout import METRICS_FILE
 from drmas.infra.lease import LEASE_FILE, RunBusy, RunLease, stage_lease
 from drmas.infra.store import Store
+from drmas.stages.contracts import StageContract
 from drmas.stages.io import (
-    METRICS_FILE,
     expect_input,
     open_stage,
     policy_set,
@@ -155,6 +158,26 @@ def test_publish_metrics_writes_the_file_even_without_metrics(tmp_path):
 # --------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class At(StageContract):
+    """A stage contract whose output is ``path``, reused only when ``may_reuse``."""
+
+    path: str
+    may_reuse: bool = True
+    name: ClassVar[str] = "test"
+    module: ClassVar[str] = "drmas.stages.io"
+    fields: ClassVar[tuple[str, ...]] = ()
+
+    def output(self, config: object) -> str:
+        return self.path
+
+    def inputs(self, config: object) -> dict[str, str]:
+        return {}
+
+    def reusable(self, config: object, store: Store) -> bool:
+        return self.may_reuse
+
+
 def test_reuse_or_compute_follows_the_cache_key(store, capsys):
     calls = []
 
@@ -162,23 +185,35 @@ def test_reuse_or_compute_follows_the_cache_key(store, capsys):
         calls.append(1)
         write(store, "exp/r/iter-000000/rollout", {"t.parquet": b"x"}, key="k1")
 
-    assert reuse_or_compute(store, "exp/r/iter-000000/rollout", "k1", False, compute) is False  # nothing stored
+    assert (
+        reuse_or_compute(None, store, At("exp/r/iter-000000/rollout"), "k1", False, compute) is False
+    )  # nothing stored
     assert len(calls) == 1
-    assert reuse_or_compute(store, "exp/r/iter-000000/rollout", "k1", False, compute) is True  # same key
+    assert reuse_or_compute(None, store, At("exp/r/iter-000000/rollout"), "k1", False, compute) is True  # same key
     assert len(calls) == 1
-    assert reuse_or_compute(store, "exp/r/iter-000000/rollout", "k2", False, compute) is False  # other inputs
+    assert reuse_or_compute(None, store, At("exp/r/iter-000000/rollout"), "k2", False, compute) is False  # other inputs
     assert len(calls) == 2
-    assert reuse_or_compute(store, "exp/r/iter-000000/rollout", "k1", True, compute) is False  # forced
+    assert reuse_or_compute(None, store, At("exp/r/iter-000000/rollout"), "k1", True, compute) is False  # forced
     assert len(calls) == 3
     assert capsys.readouterr().out == "", "silent without a label"
+
+
+def test_reuse_or_compute_recomputes_what_its_contract_may_not_reuse(store):
+    """The reuse rule is the contract's too (``reuses``): an output stored with the same key
+    is recomputed when the contract says it may not be skipped (an update whose optimizer
+    state was not stored)."""
+    write(store, OUT, {"f": b"1"}, key="k")
+    calls = []
+    assert reuse_or_compute(None, store, At(OUT, may_reuse=False), "k", False, lambda: calls.append(1)) is False
+    assert calls == [1]
 
 
 def test_reuse_or_compute_says_what_it_did(store, capsys):
     write(store, OUT, {"f": b"1"}, key="k")
     reuse_or_compute(
-        store, OUT, "k", False, lambda: pytest.fail("recomputed a cached output"), label="advantage iter 3"
+        None, store, At(OUT), "k", False, lambda: pytest.fail("recomputed a cached output"), label="advantage iter 3"
     )
-    reuse_or_compute(store, OUT, "k", True, lambda: None, label="policy/solver iter 3")
+    reuse_or_compute(None, store, At(OUT), "k", True, lambda: None, label="policy/solver iter 3")
     assert capsys.readouterr().out.splitlines() == [
         f"drmas: advantage iter 3 reused {store.uri(OUT)}",
         f"drmas: policy/solver iter 3 computed {store.uri(OUT)}",
@@ -194,7 +229,7 @@ def test_reuse_or_compute_computes_holding_the_lease_of_its_output(store):
         seen.append(json.loads((Path(store.root) / "exp/r" / LEASE_FILE).read_text())["holders"])
         write(store, OUT, {"f": b"1"}, key="k")
 
-    reuse_or_compute(store, OUT, "k", False, compute)
+    reuse_or_compute(None, store, At(OUT), "k", False, compute)
     assert list(seen[0]) == [OUT]
     assert seen[0][OUT]["pid"] == os.getpid()
     assert json.loads((Path(store.root) / "exp/r" / LEASE_FILE).read_text())["holders"] == {}
@@ -211,7 +246,7 @@ def test_reuse_or_compute_waits_for_the_embedded_runner_then_gives_up(store):
             match=rf"run exp/r is being written by another process: pid {os.getpid()} .*"
             r"writing the whole run",
         ):
-            reuse_or_compute(store, OUT, "k", False, lambda: pytest.fail("computed while the run was held"))
+            reuse_or_compute(None, store, At(OUT), "k", False, lambda: pytest.fail("computed while the run was held"))
         assert 0.4 <= time.monotonic() - began < 3
 
 
@@ -220,7 +255,7 @@ def test_parallel_tasks_on_other_outputs_of_the_run_do_not_wait(store):
     store.lease_timeout_s = 30.0
     with stage_lease(store, "exp/r/iter-000000/policy/solver"):
         began = time.monotonic()
-        reuse_or_compute(store, "exp/r/iter-000000/policy/verifier", "k", False, lambda: None)
+        reuse_or_compute(None, store, At("exp/r/iter-000000/policy/verifier"), "k", False, lambda: None)
         assert time.monotonic() - began < 1
 
 

@@ -17,6 +17,7 @@ import pytest
 from helpers import trajectory_table
 
 from drmas.algos import compute_advantages
+from drmas.infra.layout import iteration_path, split_iteration_path
 from drmas.infra.schema import TRAJECTORY_SCHEMA, SchemaError
 from drmas.infra.store import (
     MANIFEST,
@@ -25,7 +26,6 @@ from drmas.infra.store import (
     CorruptArtifact,
     Store,
     StoreError,
-    iteration_path,
 )
 
 ARTIFACT = iteration_path("exp", "run-1", 3) + "/rollout"
@@ -33,6 +33,9 @@ ARTIFACT = iteration_path("exp", "run-1", 3) + "/rollout"
 
 def test_iteration_layout():
     assert iteration_path("exp", "run-1", 3) == "exp/run-1/iter-000003"
+    assert split_iteration_path("exp/run-1/iter-000003/optim/solver") == ("exp/run-1", 3, "optim/solver")
+    assert split_iteration_path("exp/run-1/iter-000003") == ("exp/run-1", 3, "")
+    assert split_iteration_path("exp/run-1/init/policy/solver") is None
 
 
 def test_roundtrip_table_json_and_folder(store: Store, tmp_path):

@@ -52,12 +52,10 @@ from pydantic import BaseModel
 
 import drmas
 from drmas.config import ConfigError, DrmasConfig, load_config
+from drmas.stages.iteration import ITERATION_STAGES
 
 if typing.TYPE_CHECKING:
     from drmas.infra.store import Store
-
-RERUN_STAGES = ("rollout", "advantage", "update", "evaluate", "checkpoint")
-"""The stages of an iteration that ``drmas rerun --stage`` recomputes."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     rerun_cmd.add_argument(
         "--iteration", type=int, required=True, metavar="I", help="a checkpointed iteration of the run"
     )
-    rerun_cmd.add_argument("--stage", required=True, choices=RERUN_STAGES, help="the stage to recompute")
+    rerun_cmd.add_argument("--stage", required=True, choices=ITERATION_STAGES, help="the stage to recompute")
     rerun_cmd.add_argument(
         "--worker-group",
         metavar="WG",

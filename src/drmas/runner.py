@@ -2,7 +2,7 @@
 
 Each iteration calls the same stage functions that the Kubeflow components call, with
 the same stage contracts (``drmas.stages.contracts``). A stage whose output already exists with
-the same cache key (its inputs' content, the config it reads, the code version) is not run
+the same cache key (its inputs' content, the config it reads, the code that computes it) is not run
 again; stages are deterministic given their inputs, so that output is what a rerun would
 produce. This makes a killed run resumable (``train`` continues after the last
 checkpointed iteration, reusing the stages of the interrupted one that had finished) and
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,12 +22,20 @@ from tqdm.auto import tqdm
 from drmas.config import ConfigError, DrmasConfig
 from drmas.generation.pool import PoolOnDemand, ray_session
 from drmas.generation.workers import PolicyRef
-from drmas.infra.caching import is_cached
-from drmas.infra.layout import optim_path, policy_path, run_path, stage_path
+from drmas.infra.layout import (
+    METRICS_FILE,
+    StageResult,
+    init_home,
+    iteration_path,
+    optim_path,
+    policy_path,
+    run_record_path,
+    stage_path,
+)
 from drmas.infra.lease import RunLease
-from drmas.infra.store import Store, iteration_path
+from drmas.infra.store import Store
 from drmas.stages.advantage import advantage
-from drmas.stages.checkpoint import checkpoint, resume_point
+from drmas.stages.checkpoint import checkpoint, resume_point, training_metrics
 from drmas.stages.contracts import (
     RETRIEVAL_SERVICE_FIELDS,
     AdvantageContract,
@@ -37,8 +45,10 @@ from drmas.stages.contracts import (
     StageContract,
     UpdateContract,
     cache_key,
+    reuses,
 )
 from drmas.stages.evaluate import evaluate
+from drmas.stages.iteration import Step, iteration_steps
 from drmas.stages.policies import init_policies
 from drmas.stages.rollout import rollout, run_length
 from drmas.stages.track import RunSummary, eval_line, finish_run, log_iteration, log_question_sets, summary_line
@@ -69,7 +79,7 @@ def open_run(config: DrmasConfig, store: Store, run_id: str, resume: bool) -> Dr
     """
     if config.experiment.iterations is None:
         config = run_length(config)
-    path = f"{run_path(config.experiment.name, run_id)}/run"
+    path = run_record_path(config.experiment.name, run_id)
     if not store.exists(path):
         if resume:
             raise ConfigError([f"cannot resume run {run_id!r}: nothing at {store.uri(path)}"])
@@ -106,7 +116,9 @@ class IterationResult:
     policies: dict[str, PolicyRef]
     optims: dict[str, PolicyRef | None]
     recomputed: list[str]
-    """The stages that ran; the others were cache hits."""
+    """The steps that were computed; the others were reused."""
+    ran: list[str]
+    """Every step, computed or reused, in the order it ran (``drmas.stages.iteration``)."""
 
 
 def starting_policies(config: DrmasConfig, store: Store, run_id: str) -> dict[str, PolicyRef]:
@@ -126,77 +138,87 @@ def run_iteration(
     pool: PoolOnDemand,
     force: frozenset[str] = frozenset(),
 ) -> IterationResult:
-    """Rollout, advantage, update per worker group, evaluate (when due), checkpoint.
+    """The steps of iteration ``i`` as ``drmas.stages.iteration`` defines them, in its order:
+    rollout, advantage, update per worker group, checkpoint, evaluate (when due).
 
-    Each stage runs only when its cached output is missing or stale (its contract's cache
-    key, see drmas.stages.contracts), or when it is named in ``force``.
+    Each step runs only when the stage may not be reused (``drmas.stages.contracts.reuses``),
+    or when ``force`` names it (its stage, e.g. ``update``, or the step, ``update/solver``).
     """
-    experiment = config.experiment.name
-    began = time.perf_counter()
-    out = IterationResult({}, {}, {}, {}, [])
-    evaluating = config.evaluates(i)
-    bar = tqdm(total=3 + len(policies) + evaluating, desc=f"iter {i}", unit="stage", leave=False, disable=None)
-
-    def stage(name: str, contract: StageContract, compute) -> None:
-        bar.set_postfix_str(name)
-        path = contract.output(config)
+    out = IterationResult({}, {}, {}, {}, [], [])
+    steps = iteration_steps(config, i)
+    bar = tqdm(total=len(steps), desc=f"iter {i}", unit="stage", leave=False, disable=None)
+    for step in steps:
+        bar.set_postfix_str(step.name)
+        contract, compute = _stage_call(step, config, store, run_id, policies, optims, reference, pool, out)
         key = cache_key(config, store, contract)
-        if name in force or not (is_cached(store, path, key) and contract.reusable(config, store)):
+        path = contract.output(config)
+        if step.name in force or step.stage in force or not reuses(config, store, contract, key):
             out.metrics.update(compute(key).metrics)
-            out.recomputed.append(name)
-        elif "metrics.json" in store.open(path).files:
-            out.metrics.update(store.open(path).read_json("metrics.json"))
-        out.stages[name] = path
+            out.recomputed.append(step.name)
+        elif METRICS_FILE in store.open(path).files:
+            out.metrics.update(store.open(path).read_json(METRICS_FILE))
+        out.ran.append(step.name)
+        if step.stage == "update":
+            assert isinstance(contract, UpdateContract) and step.wg is not None
+            out.stages[f"policy/{step.wg}"] = path
+            out.stages[f"optim/{step.wg}"] = contract.optim_output(config)
+            out.policies[step.wg] = PolicyRef(path)
+            out.optims[step.wg] = PolicyRef(out.stages[f"optim/{step.wg}"])
+        else:
+            out.stages[step.stage] = path
         bar.update()
-
-    stage(
-        "rollout",
-        RolloutContract(run_id, i, policies),
-        lambda key: rollout(config, store, run_id, i, policies, pool(), overwrite=True, cache_key=key),
-    )
-    stage(
-        "advantage",
-        AdvantageContract(run_id, i),
-        lambda key: advantage(config, store, run_id, i, overwrite=True, cache_key=key),
-    )
-    for wg in policies:
-        contract = UpdateContract(run_id, i, wg, policies[wg], optims[wg], reference[wg])
-        stage(
-            f"policy/{wg}",
-            contract,
-            lambda key, wg=wg: update(
-                config,
-                store,
-                run_id,
-                i,
-                wg,
-                policies[wg],
-                optims[wg],
-                reference[wg],
-                overwrite=True,
-                cache_key=key,
-                pool=pool(),
-            ),
-        )
-        out.stages[f"optim/{wg}"] = contract.optim_output(config)
-        out.policies[wg], out.optims[wg] = PolicyRef(out.stages[f"policy/{wg}"]), PolicyRef(out.stages[f"optim/{wg}"])
-    if evaluating:
-        evaluation = EvaluateContract(iteration_path(experiment, run_id, i), out.policies)
-        stage(
-            "evaluate",
-            evaluation,
-            lambda key: evaluate(
-                config, store, evaluation.output(config), out.policies, pool(), overwrite=True, cache_key=key
-            ),
-        )
-    out.metrics["time/iteration"] = time.perf_counter() - began
-    stage(
-        "checkpoint",
-        CheckpointContract(run_id, i),
-        lambda key: checkpoint(config, store, run_id, i, dict(out.metrics), overwrite=True, cache_key=key),
-    )
     bar.close()
     return out
+
+
+def _stage_call(
+    step: Step,
+    config: DrmasConfig,
+    store: Store,
+    run_id: str,
+    policies: dict[str, PolicyRef],
+    optims: dict[str, PolicyRef | None],
+    reference: dict[str, PolicyRef],
+    pool: PoolOnDemand,
+    out: IterationResult,
+) -> tuple[StageContract, Callable[[str], StageResult]]:
+    """The contract of ``step`` and the call that computes it with a cache key: each stage's
+    arguments, read from the iteration's inputs and the steps before it (``out``)."""
+    i = step.iteration
+    if step.stage == "rollout":
+        return RolloutContract(run_id, i, policies), lambda key: rollout(
+            config, store, run_id, i, policies, pool(), overwrite=True, cache_key=key
+        )
+    if step.stage == "advantage":
+        return AdvantageContract(run_id, i), lambda key: advantage(
+            config, store, run_id, i, overwrite=True, cache_key=key
+        )
+    if step.stage == "update":
+        wg = step.wg or ""
+        update_call = UpdateContract(run_id, i, wg, policies[wg], optims[wg], reference[wg])
+        return update_call, lambda key: update(
+            config,
+            store,
+            run_id,
+            i,
+            wg,
+            policies[wg],
+            optims[wg],
+            reference[wg],
+            overwrite=True,
+            cache_key=key,
+            pool=pool(),
+        )
+    if step.stage == "checkpoint":
+        return CheckpointContract(run_id, i), lambda key: checkpoint(
+            config, store, run_id, i, training_metrics(config, store, run_id, i), overwrite=True, cache_key=key
+        )
+    if step.stage == "evaluate":
+        evaluation = EvaluateContract(iteration_path(config.experiment.name, run_id, i), dict(out.policies))
+        return evaluation, lambda key: evaluate(
+            config, store, evaluation.output(config), evaluation.policies, pool(), overwrite=True, cache_key=key
+        )
+    raise ValueError(f"{step.title}: no stage {step.stage!r} in an iteration")
 
 
 def _holding_the_run(function):
@@ -241,11 +263,11 @@ def train(
         optims = start.optims
         with PoolOnDemand(config, store, cache_dir, run=(experiment, run_id)) as pool:
             if config.eval.every and start.next_iteration == 0:
-                evaluation = EvaluateContract(f"{run_path(experiment, run_id)}/init", initial)
+                evaluation = EvaluateContract(init_home(experiment, run_id), initial)
                 path, key = evaluation.output(config), cache_key(config, store, evaluation)
                 before = (
-                    store.open(path).read_json("metrics.json")
-                    if is_cached(store, path, key)
+                    store.open(path).read_json(METRICS_FILE)
+                    if reuses(config, store, evaluation, key)
                     else evaluate(config, store, path, initial, pool(), overwrite=True, cache_key=key).metrics
                 )
                 tracker.log_metrics(before, step=0)
@@ -289,6 +311,11 @@ def rerun(
     """Recompute ``stage_name`` of a checkpointed iteration from its stored inputs; the stages
     after it in that iteration recompute only if their inputs changed (cache keys)."""
     experiment = config.experiment.name
+    if stage_name not in {step.stage for step in iteration_steps(config, iteration)}:
+        raise ValueError(
+            f"iteration {iteration} has no stage {stage_name!r}; its stages: "
+            f"{', '.join(dict.fromkeys(step.stage for step in iteration_steps(config, iteration)))}"
+        )
     if not store.exists(stage_path(experiment, run_id, iteration, "checkpoint")):
         raise ValueError(f"run {run_id} has no checkpoint for iteration {iteration}: nothing to rerun")
     groups = [group.name for group in config.worker_groups()]
@@ -306,5 +333,6 @@ def rerun(
     if iteration == 0:
         policies, optims = initial, {wg: None for wg in groups}
     with PoolOnDemand(config, store, cache_dir, run=(experiment, run_id)) as pool:
-        force = {f"policy/{wg}" for wg in groups} if stage_name == "update" else {stage_name}
-        return run_iteration(config, store, run_id, iteration, policies, optims, initial, pool, force=frozenset(force))
+        return run_iteration(
+            config, store, run_id, iteration, policies, optims, initial, pool, force=frozenset({stage_name})
+        )

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from drmas.config import DrmasConfig
-from drmas.infra.layout import run_path, stage_path
+from drmas.infra.layout import evaluation_path, init_home, stage_path
 from drmas.infra.store import Store
 
 __all__ = ["History", "iteration_metrics", "run_history", "series", "write_report"]
@@ -38,7 +38,7 @@ def run_history(config: DrmasConfig, store: Store, run_id: str) -> History:
     """(step, metrics) for the evaluation before training (step 0, when there is one) and
     every checkpointed iteration (step i + 1, with its evaluation when one ran), in order."""
     history: History = []
-    before = f"{run_path(config.experiment.name, run_id)}/init/evaluate"
+    before = evaluation_path(init_home(config.experiment.name, run_id))
     if store.exists(before):
         history.append((0, store.open(before).read_json("metrics.json")))
     for i in range(config.total_iterations):
@@ -58,7 +58,7 @@ def iteration_metrics(config: DrmasConfig, store: Store, run_id: str, i: int) ->
         return None
     metrics = store.open(path).read_json("metrics.json")
     evaluation = stage_path(experiment, run_id, i, "evaluate")
-    if store.exists(evaluation):  # a Kubeflow run checkpoints before it evaluates
+    if store.exists(evaluation):  # every run evaluates after the checkpoint (drmas.stages.iteration)
         metrics = {**store.open(evaluation).read_json("metrics.json"), **metrics}
     return metrics
 

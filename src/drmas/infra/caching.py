@@ -1,6 +1,6 @@
 """Content-addressed stage caching, with the same rule as Kubeflow's: a stage's output is
 reused when the stage, the content of its input artifacts, the config fields it reads and
-the code version are all the same; otherwise it is recomputed. What each stage depends on,
+the code that computes it are all the same; otherwise it is recomputed. What each stage depends on,
 and the key made from it, is its contract (``drmas.stages.contracts``).
 
 The key is stored in the output artifact's manifest (``meta.cache_key``), so it appears

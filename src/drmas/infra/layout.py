@@ -1,6 +1,11 @@
-"""Where each stage's artifact lives in the store (docs/architecture.md §4).
+"""Where each stage's artifact lives in the store (docs/architecture.md §4): every store path
+drmas writes or reads is built here, and read back here (``split_iteration_path``).
 
+    {experiment}/{run_id}/run/                         the run's resolved config
     {experiment}/{run_id}/init/policy/{wg}/            initial policies (HF layout)
+    {experiment}/{run_id}/warmstart/policy/{wg}/       warm-started policies
+    {experiment}/{run_id}/init/evaluate/               the evaluation before training
+    {experiment}/{run_id}/report/                      the run's report and figures
     {experiment}/{run_id}/iter-{i:06d}/rollout/        trajectories.parquet, metrics.json
     {experiment}/{run_id}/iter-{i:06d}/advantage/      batch.parquet, metrics.json
     {experiment}/{run_id}/iter-{i:06d}/policy/{wg}/    the updated policy (HF layout)
@@ -15,11 +20,29 @@ state, is what makes an iteration complete.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from drmas.infra.store import iteration_path
+__all__ = [
+    "METRICS_FILE",
+    "PolicyRef",
+    "StageResult",
+    "evaluation_path",
+    "init_home",
+    "init_policy_path",
+    "iteration_path",
+    "optim_path",
+    "policy_path",
+    "report_path",
+    "run_path",
+    "run_record_path",
+    "split_iteration_path",
+    "stage_path",
+    "warmstart_path",
+]
 
-__all__ = ["PolicyRef", "StageResult", "init_policy_path", "optim_path", "policy_path", "run_path", "stage_path"]
+METRICS_FILE = "metrics.json"
+"""A stage output's metrics: reports timings, so it is left out of the fingerprint."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +67,31 @@ def run_path(experiment: str, run_id: str) -> str:
     return f"{experiment}/{run_id}"
 
 
+def run_record_path(experiment: str, run_id: str) -> str:
+    """The run's record (its resolved config): what makes a run exist."""
+    return f"{run_path(experiment, run_id)}/run"
+
+
+def report_path(experiment: str, run_id: str) -> str:
+    return f"{run_path(experiment, run_id)}/report"
+
+
+def init_home(experiment: str, run_id: str) -> str:
+    """Where the starting policies' evaluations go (``init/evaluate``)."""
+    return f"{run_path(experiment, run_id)}/init"
+
+
+def evaluation_path(home: str, label: str = "evaluate") -> str:
+    """An evaluation of the policy set whose home is ``home`` (``init_home`` or an
+    ``iteration_path``), named ``label`` (``evaluate``, or after its settings)."""
+    return f"{home}/{label}"
+
+
+def iteration_path(experiment: str, run_id: str, iteration: int) -> str:
+    """The folder of one iteration of a run, relative to the store root."""
+    return f"{run_path(experiment, run_id)}/iter-{iteration:06d}"
+
+
 def stage_path(experiment: str, run_id: str, iteration: int, stage: str) -> str:
     return f"{iteration_path(experiment, run_id, iteration)}/{stage}"
 
@@ -57,4 +105,19 @@ def optim_path(experiment: str, run_id: str, iteration: int, wg: str) -> str:
 
 
 def init_policy_path(experiment: str, run_id: str, wg: str) -> str:
-    return f"{run_path(experiment, run_id)}/init/policy/{wg}"
+    return f"{init_home(experiment, run_id)}/policy/{wg}"
+
+
+def warmstart_path(experiment: str, run_id: str, wg: str) -> str:
+    return f"{run_path(experiment, run_id)}/warmstart/policy/{wg}"
+
+
+_ITERATION = re.compile(r"(?P<run>.+)/iter-(?P<iteration>\d{6,})(?:/(?P<rest>.*))?")
+
+
+def split_iteration_path(path: str) -> tuple[str, int, str] | None:
+    """``(run folder, iteration, what in it)`` of a path under an iteration
+    (``exp/run/iter-000003/optim/solver`` -> ``("exp/run", 3, "optim/solver")``); None for
+    a path outside every iteration. The inverse of the builders above."""
+    found = _ITERATION.fullmatch(path)
+    return (found["run"], int(found["iteration"]), found["rest"] or "") if found else None

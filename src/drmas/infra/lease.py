@@ -83,7 +83,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from drmas.infra.store import CorruptArtifact, Store, StoreError, _replace_atomically
+from drmas.infra.store import CorruptArtifact, Store, StoreError, replace_atomically
 
 __all__ = ["LEASE_FILE", "RUN_SCOPE", "Holder", "RunBusy", "RunLease", "stage_lease"]
 
@@ -403,7 +403,7 @@ class LocalLeaseFile:
                 current = self.read()
                 if (current[1] if current else None) != token:
                     return False
-                _replace_atomically(str(self.path), data)
+                replace_atomically(str(self.path), data)
                 return True
         except OSError as error:
             raise StoreError(f"{self.where}: cannot write the run lease ({error.strerror or error})") from None

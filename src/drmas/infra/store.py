@@ -8,7 +8,7 @@ whose size or hash differs from the manifest refuses it. The layout (docs/archit
     {root}/{experiment}/{run_id}/iter-{i:06d}/{stage}/...files..., _MANIFEST.json
 
     store = Store.from_config(cfg.store)
-    with store.writer(iteration_path(exp, run, 3) + "/rollout") as out:
+    with store.writer(layout.stage_path(exp, run, 3, "rollout")) as out:
         out.write_table("trajectories.parquet", table, TRAJECTORY_SCHEMA)
     table = store.open(".../rollout").read_table("trajectories.parquet", TRAJECTORY_SCHEMA)
 
@@ -71,7 +71,6 @@ __all__ = [
     "CorruptArtifact",
     "Store",
     "StoreError",
-    "iteration_path",
 ]
 
 MANIFEST = "_MANIFEST.json"
@@ -113,11 +112,6 @@ class CorruptArtifact(StoreError):
 
 class NothingListening(OSError):
     """A refused connection when the store is opened: a wrong endpoint, not a fault."""
-
-
-def iteration_path(experiment: str, run_id: str, iteration: int) -> str:
-    """The folder of one iteration of a run, relative to the store root."""
-    return f"{experiment}/{run_id}/iter-{iteration:06d}"
 
 
 @dataclass(frozen=True)
@@ -295,7 +289,7 @@ class Store:
             self._write(absolute, data)
             return
         self._call(self.fs.create_dir, posixpath.dirname(absolute))
-        self._call(_replace_atomically, absolute, data)
+        self._call(replace_atomically, absolute, data)
 
     def _get(self, absolute: str) -> bytes:
         with self.fs.open_input_stream(absolute) as stream:
@@ -680,7 +674,7 @@ def _curl_detail(text: str) -> str:
     return match.group(1).strip() if match else text.splitlines()[0]
 
 
-def _replace_atomically(absolute: str, data: bytes) -> None:
+def replace_atomically(absolute: str, data: bytes) -> None:
     """Write a temporary file beside ``absolute``, sync it, and rename it into place."""
     temporary = f"{absolute}.tmp-{os.getpid()}"
     with open(temporary, "wb") as handle:

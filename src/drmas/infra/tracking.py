@@ -121,7 +121,7 @@ def _redacted(text: str) -> str:
     return re.sub(r"(?<=://)[^/@\s]+@", "***@", text)
 
 
-def _reason(error: BaseException) -> str:
+def error_reason(error: BaseException) -> str:
     """The first line of an error, short and without credentials, for a warning."""
     return _redacted(str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
 
@@ -164,7 +164,7 @@ def _never_raises(kind: str) -> Callable[[Callable[..., None]], Callable[..., No
             try:
                 method(self, *args, **kwargs)
             except Exception as error:
-                self._lose(kind, None, f"it could not be prepared: {_reason(error)}")
+                self._lose(kind, None, f"it could not be prepared: {error_reason(error)}")
 
         return guarded
 
@@ -224,7 +224,7 @@ class Tracker:
                 created = self._open_run(run_id, store_root, config_path)
         except Exception as error:
             raise TrackingUnavailable(
-                f"cannot open the MLflow run at {_redacted(self.uri)}: {_reason(error)}"
+                f"cannot open the MLflow run at {_redacted(self.uri)}: {error_reason(error)}"
             ) from error
         if created:
             self._log_params(config.flat_params())
@@ -298,7 +298,7 @@ class Tracker:
                     self._server_down(error)
                     return
                 self._pending.popleft()
-                self._lose(call.kind, call.step, f"MLflow refused it: {_reason(error)}")
+                self._lose(call.kind, call.step, f"MLflow refused it: {error_reason(error)}")
                 continue
             self._pending.popleft()
             if call.held_back:
@@ -315,7 +315,7 @@ class Tracker:
                 "tracking: MLflow at %s is unreachable (%s); training continues, "
                 "calls are kept (up to %d) and sent when it is back",
                 _redacted(self.uri),
-                _reason(error),
+                error_reason(error),
                 self.max_pending,
             )
         else:
@@ -323,7 +323,7 @@ class Tracker:
                 "tracking: MLflow still unreachable after %.0f s (%d calls waiting): %s",
                 now - self._down_since,
                 len(self._pending),
-                _reason(error),
+                error_reason(error),
             )
         self._retry_at = now + self._cooldown_s
         self._cooldown_s = min(2 * self._cooldown_s, MAX_COOLDOWN_S)

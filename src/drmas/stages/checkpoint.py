@@ -1,5 +1,6 @@
 """The checkpoint stage and resume.
 
+    training_metrics(config, store, run_id, iteration) -> dict   what the checkpoint records
     checkpoint(config, store, run_id, iteration, metrics) -> StageResult
     resume_point(config, store, run_id) -> ResumePoint
 
@@ -15,17 +16,28 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from drmas.config import DrmasConfig, PolicyError, WorkerGroup, weights_problem
 from drmas.generation.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_POLICY, lora_base
-from drmas.infra.layout import PolicyRef, StageResult, init_policy_path, optim_path, policy_path, run_path, stage_path
+from drmas.infra.layout import (
+    METRICS_FILE,
+    PolicyRef,
+    StageResult,
+    init_policy_path,
+    optim_path,
+    policy_path,
+    run_path,
+    split_iteration_path,
+    stage_path,
+)
 from drmas.infra.store import MANIFEST, ArtifactNotFound, CorruptArtifact, Store
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ResumePoint", "check_policy", "checkpoint", "read_checkpoint", "resume_point"]
+__all__ = ["ResumePoint", "check_policy", "checkpoint", "read_checkpoint", "resume_point", "training_metrics"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +47,24 @@ class ResumePoint:
     next_iteration: int
     policies: dict[str, PolicyRef]
     optims: dict[str, PolicyRef | None]
+
+
+def training_metrics(config: DrmasConfig, store: Store, run_id: str, iteration: int) -> dict[str, float]:
+    """The iteration's metrics as its checkpoint records them, from its stored stage outputs:
+    the rollout's, the advantage's and every worker group's update's, and ``time/iteration``,
+    the sum of their stage times. The same in every way of running the iteration (the
+    embedded runner, a Kubeflow task): the evaluation comes after the checkpoint and is not
+    in it, nor are a pod's start-up and waits."""
+    experiment = config.experiment.name
+    sources = [stage_path(experiment, run_id, iteration, stage) for stage in ("rollout", "advantage")]
+    sources += [policy_path(experiment, run_id, iteration, group.name) for group in config.worker_groups()]
+    values: dict[str, float] = {}
+    for source in sources:
+        values |= store.open(source).read_json(METRICS_FILE)
+    values["time/iteration"] = sum(
+        value for name, value in values.items() if name.startswith("time/") or re.fullmatch(r"wg/[^/]+/time", name)
+    )
+    return values
 
 
 def checkpoint(
@@ -82,9 +112,9 @@ def prune_optimizer_states(config: DrmasConfig, store: Store, run_id: str, itera
     experiment = config.experiment.name
     stored = sorted(
         {
-            int(path.split("/")[-3].removeprefix("iter-"))
-            for path in store.list(run_path(experiment, run_id))
-            if path.split("/")[-2] == "optim"
+            found[1]
+            for found in map(split_iteration_path, store.list(run_path(experiment, run_id)))
+            if found is not None and found[2].startswith("optim/")
         }
     )
     older = [i for i in stored if i < iteration]
@@ -109,9 +139,9 @@ def resume_point(config: DrmasConfig, store: Store, run_id: str) -> ResumePoint:
     """
     experiment = config.experiment.name
     done = sorted(
-        int(path.split("/")[-2].removeprefix("iter-"))
-        for path in store.list(run_path(experiment, run_id))
-        if path.endswith("/checkpoint")
+        found[1]
+        for found in map(split_iteration_path, store.list(run_path(experiment, run_id)))
+        if found is not None and found[2] == "checkpoint"
     )
     stored = next(
         (i for i in reversed(done) if _stores_optimizer_states(store, stage_path(experiment, run_id, i, "checkpoint"))),

@@ -11,24 +11,38 @@ list. A field read through a config helper counts: ``config.worker_groups()`` re
 agents, models, workers and the training defaults that agents may override.
 
 The key follows Kubeflow's rule: a stage's output is reused when the stage, the content of
-its input artifacts, the config fields it reads, its plain values and the code version are
-all the same (``drmas.infra.caching.is_cached``); otherwise it is recomputed.
+its input artifacts, the config fields it reads, its plain values and the code that computes
+it are all the same (``reuses``); otherwise it is recomputed. The code is the fingerprint of
+the stage's module and every drmas module it imports (``drmas.infra.code``): a change to
+the rollout's code recomputes rollouts, and leaves the advantage's outputs valid unless the
+advantage's code changed too.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from drmas import __version__
 from drmas.config import WORKER_GROUP_FIELDS, DrmasConfig
-from drmas.infra.layout import PolicyRef, optim_path, policy_path, stage_path
+from drmas.infra.caching import is_cached
+from drmas.infra.code import module_fingerprint
+from drmas.infra.layout import (
+    METRICS_FILE,
+    PolicyRef,
+    evaluation_path,
+    init_policy_path,
+    optim_path,
+    policy_path,
+    stage_path,
+    warmstart_path,
+)
 from drmas.infra.store import ArtifactNotFound, Store
-from drmas.stages.io import METRICS_FILE
 
 __all__ = [
     "CONTRACTS",
@@ -37,12 +51,18 @@ __all__ = [
     "AdvantageContract",
     "CheckpointContract",
     "EvaluateContract",
+    "PoliciesContract",
     "RolloutContract",
     "StageContract",
     "UpdateContract",
+    "WarmstartContract",
     "cache_key",
+    "reuses",
     "settings_label",
+    "starting_point_reusable",
 ]
+
+log = logging.getLogger(__name__)
 
 RETRIEVAL_SERVICE_FIELDS = (
     "task.retrieval_url",
@@ -84,6 +104,8 @@ class StageContract(ABC):
 
     name: ClassVar[str]
     """The stage, as its key names it."""
+    module: ClassVar[str]
+    """The module whose code computes the stage (its key holds that code's fingerprint)."""
     fields: ClassVar[tuple[str, ...]]
     """The config the stage reads (dotted paths into the resolved config), placement aside:
     a change anywhere else leaves its output valid."""
@@ -121,6 +143,79 @@ def _policy_inputs(policies: Mapping[str, PolicyRef]) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
+class PoliciesContract(StageContract):
+    """Worker group ``wg``'s initial policy: its model (pretrained, or built from its config
+    with a tokenizer trained on the task's text), with its chat template."""
+
+    run_id: str
+    wg: str
+    name: ClassVar[str] = "policies"
+    module: ClassVar[str] = "drmas.stages.policies"
+    fields: ClassVar[tuple[str, ...]] = _fields("experiment.seed", "task", "data", *WORKER_GROUPS)
+
+    def output(self, config: DrmasConfig) -> str:
+        return init_policy_path(config.experiment.name, self.run_id, self.wg)
+
+    def inputs(self, config: DrmasConfig) -> dict[str, str]:
+        return {}
+
+    def values(self) -> dict[str, Any]:
+        return {"wg": self.wg}
+
+
+@dataclass(frozen=True)
+class WarmstartContract(StageContract):
+    """Worker group ``wg``'s fine-tuning from ``policy`` (its initial policy) on the
+    demonstrations of its agents' roles, which the task makes from its training questions."""
+
+    run_id: str
+    wg: str
+    policy: PolicyRef
+    name: ClassVar[str] = "warmstart"
+    module: ClassVar[str] = "drmas.stages.warmstart"
+    fields: ClassVar[tuple[str, ...]] = _fields(
+        "experiment.seed",
+        "task",
+        "data",
+        "warmstart",
+        "rollout.max_prompt_tokens",
+        "rollout.truncation",
+        *WORKER_GROUPS,
+    )
+
+    def output(self, config: DrmasConfig) -> str:
+        return warmstart_path(config.experiment.name, self.run_id, self.wg)
+
+    def inputs(self, config: DrmasConfig) -> dict[str, str]:
+        return {"policy": self.policy.artifact}
+
+    def values(self) -> dict[str, Any]:
+        return {"wg": self.wg}
+
+
+def starting_point_reusable(config: DrmasConfig, store: Store, contract: StageContract, run_id: str) -> bool:
+    """Whether a starting policy (``policies``, ``warmstart``) stored at the contract's output
+    is kept: when its key is the same, and also when it is not but the run has already
+    trained from it (its rollout 0 exists). Recomputing it then would change the start, and
+    the KL anchor, of iterations already trained: an older run resumed under newer code
+    keeps the policies it started from, with a warning that names them."""
+    path = contract.output(config)
+    if not store.exists(path):
+        return False
+    if reuses(config, store, contract, cache_key(config, store, contract)):
+        return True
+    if store.exists(stage_path(config.experiment.name, run_id, 0, "rollout")):
+        log.warning(
+            "%s: computed with another config or code than this run's (its cache key differs); kept, since the run "
+            "has trained from it (drmas run --force %s on a new run rebuilds it)",
+            store.uri(path),
+            contract.name,
+        )
+        return True
+    return False
+
+
+@dataclass(frozen=True)
 class RolloutContract(StageContract):
     """The team plays iteration ``iteration`` with ``policies`` (on a pool it starts)."""
 
@@ -128,6 +223,7 @@ class RolloutContract(StageContract):
     iteration: int
     policies: Mapping[str, PolicyRef]
     name: ClassVar[str] = "rollout"
+    module: ClassVar[str] = "drmas.stages.rollout"
     fields: ClassVar[tuple[str, ...]] = _fields("experiment.seed", "task", "data", "rollout", *POOL)
 
     def output(self, config: DrmasConfig) -> str:
@@ -147,6 +243,7 @@ class AdvantageContract(StageContract):
     run_id: str
     iteration: int
     name: ClassVar[str] = "advantage"
+    module: ClassVar[str] = "drmas.stages.advantage"
     fields: ClassVar[tuple[str, ...]] = _fields("algorithm")
 
     def output(self, config: DrmasConfig) -> str:
@@ -170,6 +267,7 @@ class UpdateContract(StageContract):
     optim: PolicyRef | None
     reference: PolicyRef
     name: ClassVar[str] = "update"
+    module: ClassVar[str] = "drmas.stages.update"
     fields: ClassVar[tuple[str, ...]] = _fields(
         "experiment.seed", "algorithm", "train", "diagnostics", "rollout.sampling", *WORKER_GROUPS
     )
@@ -223,10 +321,11 @@ class EvaluateContract(StageContract):
     policies: Mapping[str, PolicyRef]
     label: str = "evaluate"
     name: ClassVar[str] = "evaluate"
+    module: ClassVar[str] = "drmas.stages.evaluate"
     fields: ClassVar[tuple[str, ...]] = _fields("experiment.seed", "task", "data", "eval", "rollout.sampling", *POOL)
 
     def output(self, config: DrmasConfig) -> str:
-        return f"{self.home}/{self.label or settings_label(config)}"
+        return evaluation_path(self.home, self.label or settings_label(config))
 
     def inputs(self, config: DrmasConfig) -> dict[str, str]:
         return _policy_inputs(self.policies)
@@ -239,6 +338,7 @@ class CheckpointContract(StageContract):
     run_id: str
     iteration: int
     name: ClassVar[str] = "checkpoint"
+    module: ClassVar[str] = "drmas.stages.checkpoint"
     fields: ClassVar[tuple[str, ...]] = _fields("checkpoint", *WORKER_GROUPS)
     held_inputs: ClassVar[tuple[str, ...]] = ("optim",)
 
@@ -256,9 +356,24 @@ class CheckpointContract(StageContract):
 
 CONTRACTS: dict[str, type[StageContract]] = {
     contract.name: contract
-    for contract in (RolloutContract, AdvantageContract, UpdateContract, EvaluateContract, CheckpointContract)
+    for contract in (
+        PoliciesContract,
+        WarmstartContract,
+        RolloutContract,
+        AdvantageContract,
+        UpdateContract,
+        CheckpointContract,
+        EvaluateContract,
+    )
 }
-"""Stage name -> its contract."""
+"""Stage name -> its contract, for every stage of ``drmas.stages.iteration.RUN_STAGES``."""
+
+
+def reuses(config: DrmasConfig, store: Store, contract: StageContract, key: str) -> bool:
+    """The reuse rule, written once for the runner and every component: a stage is skipped
+    when the store holds its output with the same cache key and its contract allows it
+    (``StageContract.reusable``)."""
+    return is_cached(store, contract.output(config), key) and contract.reusable(config, store)
 
 
 def _select(resolved: dict[str, Any], dotted: str) -> Any:
@@ -280,7 +395,7 @@ def _without_placement(resolved: dict[str, Any]) -> dict[str, Any]:
 
 def cache_key(config: DrmasConfig, store: Store, stage: StageContract) -> str:
     """The key of one call of a stage: its name, its input artifacts' content, the config
-    fields it reads (placement aside), its plain values and the code version."""
+    fields it reads (placement aside), its plain values and its code's fingerprint."""
     resolved = _without_placement(json.loads(config.to_json()))
     payload = {
         "stage": stage.name,
@@ -288,9 +403,15 @@ def cache_key(config: DrmasConfig, store: Store, stage: StageContract) -> str:
         # metrics.json reports timings: it is not an input, and would make every key new.
         "inputs": {name: _fingerprint(store, stage, name, path) for name, path in sorted(stage.inputs(config).items())},
         "values": stage.values(),
-        "code": __version__,
+        "code": _code(stage.module),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+@functools.cache
+def _code(module: str) -> str:
+    """The fingerprint of the installed code of ``module``: read once per process."""
+    return module_fingerprint(module)
 
 
 def _fingerprint(store: Store, stage: StageContract, name: str, path: str) -> str:

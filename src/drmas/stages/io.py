@@ -22,12 +22,12 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from drmas.config import DrmasConfig
-from drmas.infra.caching import is_cached
+from drmas.infra.layout import METRICS_FILE
 from drmas.infra.lease import stage_lease
 from drmas.infra.store import Store
+from drmas.stages.contracts import StageContract, reuses
 
 __all__ = [
-    "METRICS_FILE",
     "announce",
     "expect_input",
     "open_stage",
@@ -36,9 +36,6 @@ __all__ = [
     "publish_metrics",
     "reuse_or_compute",
 ]
-
-METRICS_FILE = "metrics.json"
-"""A stage output's metrics: reports timings, so it is left out of the fingerprint."""
 
 
 class ArtifactLike(Protocol):
@@ -84,30 +81,33 @@ def announce(label: str, reused: bool, uri: str) -> None:
 
 
 def reuse_or_compute(
+    config: DrmasConfig,
     store: Store,
-    path: str,
+    contract: StageContract,
     key: str,
     force: bool,
     compute: Callable[[], object],
     *,
     label: str | None = None,
 ) -> bool:
-    """Call ``compute`` (which writes the output at ``path`` with ``key``) unless the store
-    already holds that output with the same cache key; ``force`` recomputes regardless.
+    """Call ``compute`` (which writes the contract's output with ``key``) unless the stage
+    may be skipped (``drmas.stages.contracts.reuses``: the store holds that output with the
+    same cache key, and the contract allows it); ``force`` recomputes regardless.
 
     This is drmas' own cache, under KFP's: a task that KFP re-executes (its input is a new
     artifact) does no work when its inputs' content did not change, and KFP runs,
     ``drmas run`` and ``drmas rerun`` share outputs. Returns whether the output was reused;
     with a ``label``, also says so (``announce``).
 
-    The check and the work run holding the lease of ``path`` (``drmas.infra.lease.stage_lease``):
+    The check and the work run holding the lease of the output (``drmas.infra.lease.stage_lease``):
     a retry of this task while an earlier attempt still writes waits for it (and then reuses
     its output), takes over from one that died, and is refused (RunBusy) when it waited for
     twice ``store.lease_timeout_s`` in vain; parallel tasks writing other outputs of the run
-    (the worker groups' updates) do not wait for each other.
+    do not wait for each other.
     """
+    path = contract.output(config)
     with stage_lease(store, path):
-        reused = not force and is_cached(store, path, key)
+        reused = not force and reuses(config, store, contract, key)
         if not reused:
             compute()
     if label is not None:

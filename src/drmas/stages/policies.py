@@ -22,10 +22,10 @@ from pathlib import Path
 
 from drmas.config import DrmasConfig, PolicyError, WorkerGroup
 from drmas.generation.workers import PolicyRef
-from drmas.infra.layout import init_policy_path
 from drmas.infra.store import Store
 from drmas.models import build_scratch_policy, chat_turn, load_model, load_tokenizer
 from drmas.registry import load_orchestra, task_for
+from drmas.stages.contracts import PoliciesContract, cache_key, starting_point_reusable
 from drmas.team.agents import Agent
 from drmas.team.episodes import Episode
 from drmas.team.prompts import PromptSetName
@@ -47,10 +47,13 @@ AGENT_TAGS = (
 
 
 def init_policies(config: DrmasConfig, store: Store, run_id: str, overwrite: bool = False) -> dict[str, PolicyRef]:
-    """Write every worker group's initial policy (once) and return where each one is."""
+    """Write every worker group's initial policy and return where each one is. One stored
+    is kept when its contract's key is the same (``starting_point_reusable``); ``overwrite``
+    rebuilds them all."""
     groups = config.worker_groups()
-    paths = {g.name: init_policy_path(config.experiment.name, run_id, g.name) for g in groups}
-    todo = [g for g in groups if overwrite or not store.exists(paths[g.name])]
+    contracts = {g.name: PoliciesContract(run_id, g.name) for g in groups}
+    paths = {name: contract.output(config) for name, contract in contracts.items()}
+    todo = [g for g in groups if overwrite or not starting_point_reusable(config, store, contracts[g.name], run_id)]
     texts = tokenizer_corpus(config) if any(_is_scratch(g) for g in todo) else []
     for index, group in enumerate(groups):
         if group not in todo:
@@ -58,7 +61,9 @@ def init_policies(config: DrmasConfig, store: Store, run_id: str, overwrite: boo
         with tempfile.TemporaryDirectory() as scratch:
             local = Path(scratch) / group.name
             _materialise(group, texts, local, config, seed=config.experiment.seed + index)
-            with store.writer(paths[group.name], overwrite=overwrite, meta={"stage": "init", "wg": group.name}) as out:
+            key = cache_key(config, store, contracts[group.name])
+            meta = {"stage": "init", "wg": group.name, "cache_key": key}
+            with store.writer(paths[group.name], overwrite=True, meta=meta) as out:
                 out.put_dir(local, "")
     return {name: PolicyRef(path, "") for name, path in paths.items()}
 

@@ -26,8 +26,17 @@ from typing import TYPE_CHECKING
 
 from drmas.analysis.report import History, iteration_metrics, run_history, write_report
 from drmas.config import DrmasConfig
-from drmas.infra.layout import optim_path, policy_path, run_path, stage_path
-from drmas.infra.store import Store, iteration_path
+from drmas.infra.layout import (
+    evaluation_path,
+    init_home,
+    iteration_path,
+    optim_path,
+    policy_path,
+    report_path,
+    run_path,
+    stage_path,
+)
+from drmas.infra.store import Store
 from drmas.registry import task_for
 from drmas.stages.contracts import EvaluateContract
 
@@ -134,7 +143,7 @@ def finish_run(
     path), and the MLflow run ended; fills in ``summary.report``."""
     if history is None:
         history = run_history(config, store, run_id)
-    path = f"{run_path(config.experiment.name, run_id)}/report"
+    path = report_path(config.experiment.name, run_id)
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "report"
         files = write_report(config, history, folder, summary_table(summary, config.eval.k))
@@ -198,9 +207,9 @@ def _open(config: DrmasConfig, store: Store, run_id: str, tags: dict[str, str] |
 def _not_logged(what: str, error: Exception) -> str:
     """Say that ``what`` did not reach MLflow, and why; the step goes on (tracking never
     fails the pipeline: the stages' results are in the store, MLflow is a view of them)."""
-    from drmas.infra.tracking import _reason  # noqa: PLC0415
+    from drmas.infra.tracking import error_reason  # noqa: PLC0415
 
-    reason = f"{what} not logged to MLflow ({_reason(error)}); the pipeline goes on"
+    reason = f"{what} not logged to MLflow ({error_reason(error)}); the pipeline goes on"
     log.warning("tracking: %s", reason)
     return reason
 
@@ -226,7 +235,7 @@ def track_iteration(config: DrmasConfig, store: Store, run_id: str, iteration: i
     try:
         tracker = _open(config, store, run_id)
         if iteration < 0:
-            before = f"{run_path(config.experiment.name, run_id)}/init/evaluate"
+            before = evaluation_path(init_home(config.experiment.name, run_id))
             tracker.log_metrics(store.open(before).read_json("metrics.json"), step=0)
         else:
             stored = stored_iteration(config, store, run_id, iteration)

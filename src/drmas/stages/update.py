@@ -55,7 +55,7 @@ import pyarrow.compute as pc
 from drmas.config import DrmasConfig, PolicyError, StoreConfig, WorkerGroup
 from drmas.generation.pool import RayPool
 from drmas.generation.workers import PolicyRef, WorkerGroupRuntime
-from drmas.infra.layout import StageResult, optim_path, policy_path, stage_path
+from drmas.infra.layout import StageResult, optim_path, policy_path, split_iteration_path, stage_path
 from drmas.infra.schema import BATCH_SCHEMA
 from drmas.infra.store import ArtifactNotFound, CorruptArtifact, Store
 
@@ -390,16 +390,21 @@ def _import_stored_state(engine: TrainEngine, store: Store, optim: PolicyRef, sc
 def _last_stored(store: Store, optim: PolicyRef) -> str:
     """Where a run that lost ``optim`` (``{run}/iter-{i}/optim/{wg}``) can continue from:
     after the latest stored optimizer state of the same worker group before it."""
-    run, iteration, _, wg = optim.artifact.rsplit("/", 3)
+    lost = split_iteration_path(optim.artifact)
+    if lost is None:
+        return f"{optim.artifact} is not an iteration's optimizer state"
+    run, iteration, what = lost
     stored = sorted(
-        found.rsplit("/", 3)[1]
-        for found in store.list(run)
-        if found.endswith(f"/optim/{wg}") and found.rsplit("/", 3)[1] < iteration
+        found[1]
+        for found in map(split_iteration_path, store.list(run))
+        if found is not None and found[2] == what and found[1] < iteration
     )
     if not stored:
         return "no earlier state is stored: the run starts again from its start"
-    following = int(stored[-1].removeprefix("iter-")) + 1
-    return f"the last stored is {stored[-1]}'s: continue from iteration {following} (--start-iteration {following})"
+    return (
+        f"the last stored is iteration {stored[-1]}'s: continue from iteration {stored[-1] + 1} "
+        f"(--start-iteration {stored[-1] + 1})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,22 +34,19 @@ from tqdm.auto import tqdm
 from drmas.config import DrmasConfig
 from drmas.generation.workers import PolicyRef, truncate_prompt
 from drmas.infra.cpus import cpu_threads
-from drmas.infra.layout import run_path
 from drmas.infra.store import Store
 from drmas.models import chat_prompt, load_model, load_tokenizer
 from drmas.registry import task_for
+from drmas.stages.contracts import WarmstartContract, cache_key, starting_point_reusable
 from drmas.tasks import Demonstrations
 from drmas.training.batching import collate, token_logprobs
 
-__all__ = ["warmstart", "warmstart_path"]
-
-
-def warmstart_path(config: DrmasConfig, run_id: str, wg: str) -> str:
-    return f"{run_path(config.experiment.name, run_id)}/warmstart/policy/{wg}"
+__all__ = ["warmstart"]
 
 
 def warmstart(config: DrmasConfig, store: Store, run_id: str, init: dict[str, PolicyRef]) -> dict[str, PolicyRef]:
-    """Fine-tune every worker group on its agents' demonstrations (once per run).
+    """Fine-tune every worker group on its agents' demonstrations (once per run: one stored
+    is kept while its contract's key is the same, ``starting_point_reusable``).
 
     Worker groups train at the same time, one process each with an equal share of the
     cores: the groups are independent, and on CPU two single-threaded trainings finish
@@ -61,12 +58,14 @@ def warmstart(config: DrmasConfig, store: Store, run_id: str, init: dict[str, Po
     demos = _demonstrations(config, store)
     result, todo = {}, []
     for index, group in enumerate(config.worker_groups()):
-        path = warmstart_path(config, run_id, group.name)
+        contract = WarmstartContract(run_id, group.name, init[group.name])
+        path = contract.output(config)
         result[group.name] = PolicyRef(path)
-        if not store.exists(path):
+        if not starting_point_reusable(config, store, contract, run_id):
             pairs = [pair for agent in group.agents for pair in demos.get(agent, [])]
+            key = cache_key(config, store, contract)
             todo.append(
-                (config.to_json(), store.settings().model_dump(), group.name, index, init[group.name], path, pairs)
+                (config.to_json(), store.settings().model_dump(), group.name, index, init[group.name], path, pairs, key)
             )
     if len(todo) == 1:
         _warm_one(*todo[0], threads=torch.get_num_threads())
@@ -115,6 +114,7 @@ def _warm_one(
     init: PolicyRef,
     path: str,
     pairs: list[tuple[str, str]],
+    key: str,
     threads: int,
 ) -> None:
     """Fine-tune one worker group and write its policy artifact (manifest last)."""
@@ -127,7 +127,7 @@ def _warm_one(
     with tempfile.TemporaryDirectory() as scratch:
         local = store.open(init.artifact).download(Path(scratch) / "init", prefix=init.prefix)
         metrics = _fine_tune(config, local, pairs, rng, Path(scratch) / "out", label=wg)
-        with store.writer(path, meta={"stage": "warmstart", "wg": wg}) as out:
+        with store.writer(path, overwrite=True, meta={"stage": "warmstart", "wg": wg, "cache_key": key}) as out:
             out.put_dir(Path(scratch) / "out", "")
             out.write_json("metrics.json", metrics)
 

@@ -32,13 +32,11 @@ def checkpoint(
     """Write ``iter-{i}/checkpoint`` naming every worker group's new policy and optimizer
     state (one ``update_k`` per worker group) with the iteration's metrics; the output is
     the policy set the next iteration starts from."""
-    import re
-
-    from drmas.infra.layout import optim_path, policy_path, stage_path
-    from drmas.infra.store import iteration_path
+    from drmas.infra.layout import METRICS_FILE, iteration_path, optim_path, policy_path
     from drmas.stages.checkpoint import checkpoint as checkpoint_stage
+    from drmas.stages.checkpoint import training_metrics
     from drmas.stages.contracts import CheckpointContract, cache_key
-    from drmas.stages.io import METRICS_FILE, open_stage, policy_set, publish, publish_metrics, reuse_or_compute
+    from drmas.stages.io import open_stage, policy_set, publish, publish_metrics, reuse_or_compute
 
     config, store = open_stage(config_json)
     experiment = config.experiment.name
@@ -52,24 +50,14 @@ def checkpoint(
         raise ValueError(f"the checkpoint of iteration {iteration} needs the updates {expected}, got {given}")
     optims = {wg: optim_path(experiment, run_id, iteration, wg) for wg in groups}
     contract = CheckpointContract(run_id, iteration)
-    path, key = contract.output(config), cache_key(config, store, contract)
+    key = cache_key(config, store, contract)
+    path = contract.output(config)
 
     def compute():
-        values = {}
-        for source in [
-            stage_path(experiment, run_id, iteration, "rollout"),
-            stage_path(experiment, run_id, iteration, "advantage"),
-            *expected.values(),
-        ]:
-            values |= store.open(source).read_json(METRICS_FILE)
-        # The stages' own times: the pods' start-up and the evaluation are not in it
-        # (the embedded runner's time/iteration is the wall time of its stages).
-        values["time/iteration"] = sum(
-            value for name, value in values.items() if name.startswith("time/") or re.fullmatch(r"wg/[^/]+/time", name)
-        )
+        values = training_metrics(config, store, run_id, iteration)
         checkpoint_stage(config, store, run_id, iteration, values, overwrite=True, cache_key=key)
 
-    reuse_or_compute(store, path, key, force, compute, label=f"checkpoint iter {iteration}")
+    reuse_or_compute(config, store, contract, key, force, compute, label=f"checkpoint iter {iteration}")
     home = iteration_path(experiment, run_id, iteration)
     publish(
         store, path, checkpoint, iteration, **policy_set(store, home, {wg: (expected[wg], "") for wg in groups}, optims)

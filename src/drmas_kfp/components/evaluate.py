@@ -24,22 +24,23 @@ def evaluate(
     ``run_id``: the run whose pool it uses (found warm); empty: a pool of its own.
     """
     from drmas.generation.pool import PoolOnDemand
-    from drmas.generation.workers import PolicyRef
+    from drmas.infra.layout import METRICS_FILE, PolicyRef
     from drmas.stages.contracts import EvaluateContract, cache_key
     from drmas.stages.evaluate import evaluate as evaluate_stage
-    from drmas.stages.io import METRICS_FILE, open_stage, publish, publish_metrics, reuse_or_compute
+    from drmas.stages.io import open_stage, publish, publish_metrics, reuse_or_compute
 
     config, store = open_stage(config_json)
     refs = {wg: PolicyRef(**ref) for wg, ref in policies.metadata["policies"].items()}
     iteration = int(policies.metadata["iteration"])  # KFP metadata numbers come back as floats
     contract = EvaluateContract(policies.metadata["home"], refs, label)
-    path, key = contract.output(config), cache_key(config, store, contract)
+    key = cache_key(config, store, contract)
+    path = contract.output(config)
 
     def compute():
         run = (config.experiment.name, run_id) if run_id else None
         with PoolOnDemand(config, store, None, run=run) as pool:
             evaluate_stage(config, store, path, refs, pool(), overwrite=True, cache_key=key)
 
-    reuse_or_compute(store, path, key, force, compute, label=f"evaluate iter {iteration}")
+    reuse_or_compute(config, store, contract, key, force, compute, label=f"evaluate iter {iteration}")
     publish(store, path, results, iteration)
     publish_metrics(store.open(path).read_json(METRICS_FILE), metrics)

@@ -22,7 +22,7 @@ def load_checkpoint(
     A ``run_id`` records the run's config in the store (or checks it against the recorded
     one, as ``drmas run --resume`` does) for the run that continues from here.
     """
-    from drmas.infra.layout import run_path
+    from drmas.infra.layout import run_record_path
     from drmas.runner import open_run
     from drmas.stages.checkpoint import read_checkpoint
     from drmas.stages.io import open_stage, policy_set, publish
@@ -41,7 +41,7 @@ def load_checkpoint(
             f"continues from iteration {next_iteration - 1} (compile with --start-iteration {found.next_iteration})"
         )
     if run_id:
-        open_run(config, store, run_id, resume=store.exists(f"{run_path(config.experiment.name, run_id)}/run"))
+        open_run(config, store, run_id, resume=store.exists(run_record_path(config.experiment.name, run_id)))
     print(f"drmas: load_checkpoint iter {found.next_iteration - 1} {store.uri(path)}", flush=True)
 
     policy_refs = {wg: (ref.artifact, "") for wg, ref in found.policies.items()}

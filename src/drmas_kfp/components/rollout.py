@@ -26,20 +26,21 @@ def rollout(
     ``force``.
     """
     from drmas.generation.pool import PoolOnDemand
-    from drmas.generation.workers import PolicyRef
+    from drmas.infra.layout import METRICS_FILE, PolicyRef
     from drmas.stages.contracts import RolloutContract, cache_key
-    from drmas.stages.io import METRICS_FILE, open_stage, publish, publish_metrics, reuse_or_compute
+    from drmas.stages.io import open_stage, publish, publish_metrics, reuse_or_compute
     from drmas.stages.rollout import rollout as rollout_stage
 
     config, store = open_stage(config_json)
     refs = {wg: PolicyRef(**ref) for wg, ref in policies.metadata["policies"].items()}
     contract = RolloutContract(run_id, iteration, refs)
-    path, key = contract.output(config), cache_key(config, store, contract)
+    key = cache_key(config, store, contract)
+    path = contract.output(config)
 
     def compute():
         with PoolOnDemand(config, store, None, run=(config.experiment.name, run_id)) as pool:
             rollout_stage(config, store, run_id, iteration, refs, pool(), overwrite=True, cache_key=key)
 
-    reuse_or_compute(store, path, key, force, compute, label=f"rollout iter {iteration}")
+    reuse_or_compute(config, store, contract, key, force, compute, label=f"rollout iter {iteration}")
     publish(store, path, trajectories, iteration)
     publish_metrics(store.open(path).read_json(METRICS_FILE), metrics)

@@ -26,9 +26,9 @@ def update(
     update runs data-parallel on the run's pool workers of ``wg``, which keep the new
     weights for the next rollout."""
     from drmas.generation.pool import PoolOnDemand
-    from drmas.generation.workers import PolicyRef
+    from drmas.infra.layout import METRICS_FILE, PolicyRef
     from drmas.stages.contracts import UpdateContract, cache_key
-    from drmas.stages.io import METRICS_FILE, expect_input, open_stage, publish, publish_metrics, reuse_or_compute
+    from drmas.stages.io import expect_input, open_stage, publish, publish_metrics, reuse_or_compute
     from drmas.stages.update import update as update_stage
 
     config, store = open_stage(config_json)
@@ -39,7 +39,8 @@ def update(
     anchor = PolicyRef(**reference.metadata["policies"][wg])
     contract = UpdateContract(run_id, iteration, wg, current, optim, anchor)
     expect_input(batch, contract.inputs(config)["batch"], store, f"the update of iteration {iteration}")
-    path, key = contract.output(config), cache_key(config, store, contract)
+    key = cache_key(config, store, contract)
+    path = contract.output(config)
 
     def compute():
         with PoolOnDemand(config, store, None, run=(config.experiment.name, run_id)) as pool:
@@ -47,8 +48,7 @@ def update(
                 config, store, run_id, iteration, wg, current, optim, anchor, overwrite=True, cache_key=key, pool=pool()
             )
 
-    reusable = contract.reusable(config, store)
-    reuse_or_compute(store, path, key, force or not reusable, compute, label=f"policy/{wg} iter {iteration}")
+    reuse_or_compute(config, store, contract, key, force, compute, label=f"policy/{wg} iter {iteration}")
     optim_out = contract.optim_output(config)
     publish(store, path, policy, iteration, wg=wg, optim=optim_out, optim_uri=store.uri(optim_out))
     publish_metrics(store.open(path).read_json(METRICS_FILE), metrics)

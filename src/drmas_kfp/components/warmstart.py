@@ -25,30 +25,36 @@ def warmstart(
     import hashlib
     import json
 
-    from drmas.infra.layout import init_policy_path, run_path
+    from drmas.infra.layout import (
+        METRICS_FILE,
+        init_home,
+        init_policy_path,
+        run_path,
+        run_record_path,
+        warmstart_path,
+    )
     from drmas.runner import open_run, starting_policies
-    from drmas.stages.io import METRICS_FILE, announce, open_stage, policy_set, publish, publish_metrics
+    from drmas.stages.io import announce, open_stage, policy_set, publish, publish_metrics
     from drmas.stages.policies import init_policies
-    from drmas.stages.warmstart import warmstart_path
 
     config, store = open_stage(config_json)
-    run = run_path(config.experiment.name, run_id)
-    open_run(config, store, run_id, resume=store.exists(f"{run}/run"))
+    experiment = config.experiment.name
+    run = run_path(experiment, run_id)
+    open_run(config, store, run_id, resume=store.exists(run_record_path(experiment, run_id)))
     groups = [group.name for group in config.worker_groups()]
-    outputs = {
-        wg: warmstart_path(config, run_id, wg)
-        if config.warmstart.steps
-        else init_policy_path(config.experiment.name, run_id, wg)
-        for wg in groups
-    }
-    reused = not force and all(store.exists(path) for path in outputs.values())
+    where = warmstart_path if config.warmstart.steps else init_policy_path
+    outputs = [where(experiment, run_id, wg) for wg in groups]
+
+    def stored_keys() -> list:
+        return [store.open(path).meta.get("cache_key") if store.exists(path) else None for path in outputs]
+
+    before = stored_keys()
     if force:
         init_policies(config, store, run_id, overwrite=True)
-        for wg in groups:
-            if config.warmstart.steps:
-                store.delete(warmstart_path(config, run_id, wg))
+        for wg in groups if config.warmstart.steps else ():
+            store.delete(warmstart_path(experiment, run_id, wg))
     refs = starting_policies(config, store, run_id)
-    announce("warmstart", reused, store.uri(run))
+    announce("warmstart", not force and stored_keys() == before, store.uri(run))
 
     values = {}
     for wg, ref in refs.items():
@@ -58,7 +64,10 @@ def warmstart(
     # Not one artifact but one per worker group: the fingerprint of the set is a hash of theirs.
     prints = {wg: store.fingerprint(ref.artifact, ignore=(METRICS_FILE,)) for wg, ref in sorted(refs.items())}
     extra = policy_set(
-        store, f"{run}/init", {wg: (ref.artifact, ref.prefix) for wg, ref in refs.items()}, {wg: None for wg in refs}
+        store,
+        init_home(experiment, run_id),
+        {wg: (ref.artifact, ref.prefix) for wg, ref in refs.items()},
+        {wg: None for wg in refs},
     )
     publish(store, run, policies, -1, fingerprint=hashlib.sha256(json.dumps(prints).encode()).hexdigest(), **extra)
     publish_metrics(values, metrics)

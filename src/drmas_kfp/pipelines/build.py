@@ -27,6 +27,7 @@ to it), ``mlflow: iteration i`` after each checkpoint (and evaluation), ``mlflow
 (report, registered policies, link and figures).
 """
 
+import itertools
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from kfp.dsl import Dataset, Model, PipelineTask
 
 from drmas.config import DrmasConfig
 from drmas.infra.layout import stage_path
+from drmas.stages.iteration import RUN_STAGES, Step, run_steps
 from drmas_kfp import components
 from drmas_kfp.pipelines.platform import GPU_STAGES, Placement, place, placement_for
 
@@ -54,7 +56,8 @@ __all__ = [
 ]
 
 PIPELINES = ("train", "rl_iteration", "evaluate")
-STAGES = ("warmstart", "rollout", "advantage", "update", "checkpoint", "evaluate")
+STAGES = tuple(stage for stage in RUN_STAGES if stage != "policies")
+"""The stages ``--force`` names (the initial policies are rebuilt with the warm start)."""
 
 PlacementRule = Callable[[str, DrmasConfig], Placement]
 
@@ -164,12 +167,11 @@ class _Builder:
         policies = loaded.outputs["policies"]
         return policies, (warm.outputs["policies"] if warm is not None else policies)
 
-    def evaluate(
-        self, config_json, policies, name: str, iteration: int | None, label: str = "evaluate", run_id: str = ""
-    ):
-        forced = self.force("evaluate", iteration)
-        task = components.evaluate(config_json=config_json, policies=policies, label=label, run_id=run_id, force=forced)
-        return self.task("evaluate", task, name, forced)
+    def evaluate_checkpoint(self, config_json, policies):
+        """The evaluation pipeline's one evaluation, named after its settings."""
+        forced = self.force("evaluate")
+        task = components.evaluate(config_json=config_json, policies=policies, label="", force=forced)
+        return self.task("evaluate", task, "evaluate", forced)
 
     def track_start(self, config_json, run_id, first: int) -> PipelineTask:
         """The step that opens the run's MLflow run and links to it (runs beside the stages)."""
@@ -188,58 +190,60 @@ class _Builder:
         task = components.track(config_json=config_json, run_id=run_id, iteration=iteration, **inputs)
         return self.task("track", task, name).after(after)
 
-    def iterations(self, config_json, run_id, policies, reference, first: int, last: int, tracked: PipelineTask):
-        """Iterations ``first`` .. ``last - 1``, chained, each logged to MLflow after the
-        tracking step ``tracked``; returns the last checkpoint and its tracking step."""
-        for i in range(first, last):
-            forced = self.force("rollout", i)
-            rollout = self.task(
-                "rollout",
-                components.rollout(
-                    config_json=config_json, run_id=run_id, iteration=i, policies=policies, force=forced
-                ),
-                f"rollout {i}",
-                forced,
+    def run(self, config_json, run_id, start, reference, steps: list[Step], tracked: PipelineTask):
+        """The tasks of ``steps`` (``drmas.stages.iteration.run_steps``): each wired to the
+        outputs it reads, each pool user after the one before it, and each iteration
+        logged to MLflow once its last step is done, after the tracking step ``tracked``;
+        returns the last policy set and its tracking step."""
+        policies, pool_user = start, None
+        for iteration, group in itertools.groupby(steps, key=lambda step: step.iteration):
+            made: dict[str, PipelineTask] = {}
+            for step in group:
+                made[step.name] = task = self.step(step, config_json, run_id, policies, reference, made)
+                if step.uses_pool:
+                    if pool_user is not None:
+                        task.after(pool_user)
+                    pool_user = task
+            logged = {}
+            if "checkpoint" in made:
+                policies = logged["checkpoint"] = made["checkpoint"].outputs["checkpoint"]
+            if "evaluate" in made:
+                logged["evaluation"] = made["evaluate"].outputs["results"]
+            name = "mlflow: before training" if iteration < 0 else f"mlflow: iteration {iteration}"
+            tracked = self.track(config_json, run_id, iteration, tracked, name, **logged)
+        return policies, tracked
+
+    def step(self, step: Step, config_json, run_id, start, reference, made: dict[str, PipelineTask]) -> PipelineTask:
+        """The task of one step; ``start`` is the policy set its iteration starts from and
+        ``made`` the tasks of its iteration so far (what it reads)."""
+        i, forced = step.iteration, self.force(step.stage, step.iteration, step.wg)
+        if step.stage == "rollout":
+            task = components.rollout(config_json=config_json, run_id=run_id, iteration=i, policies=start, force=forced)
+        elif step.stage == "advantage":
+            trajectories = made["rollout"].outputs["trajectories"]
+            task = components.advantage(
+                config_json=config_json, run_id=run_id, iteration=i, trajectories=trajectories, force=forced
             )
-            forced = self.force("advantage", i)
-            advantage = components.advantage(
+        elif step.stage == "update":
+            task = components.update(
                 config_json=config_json,
                 run_id=run_id,
                 iteration=i,
-                trajectories=rollout.outputs["trajectories"],
+                wg=step.wg,
+                batch=made["advantage"].outputs["batch"],
+                policies=start,
+                reference=reference,
                 force=forced,
             )
-            self.task("advantage", advantage, f"advantage {i}", forced)
-            slots, previous = {}, None
-            for slot, wg in enumerate(self.groups):
-                forced = self.force("update", i, wg)
-                update = components.update(
-                    config_json=config_json,
-                    run_id=run_id,
-                    iteration=i,
-                    wg=wg,
-                    batch=advantage.outputs["batch"],
-                    policies=policies,
-                    reference=reference,
-                    force=forced,
-                )
-                self.task("update", update, f"update {wg} {i}", forced)
-                if previous is not None:  # the groups share the pool's slots: one trains at a time
-                    update.after(previous)
-                slots[f"update_{slot}"], previous = update.outputs["policy"], update
-            forced = self.force("checkpoint", i)
-            checkpoint = components.checkpoint(
-                config_json=config_json, run_id=run_id, iteration=i, force=forced, **slots
-            )
-            self.task("checkpoint", checkpoint, f"checkpoint {i}", forced)
-            policies = checkpoint.outputs["checkpoint"]
-            logged = {"checkpoint": policies}
-            if self.config.evaluates(i):
-                logged["evaluation"] = self.evaluate(config_json, policies, f"evaluate {i}", i, run_id=run_id).outputs[
-                    "results"
-                ]
-            tracked = self.track(config_json, run_id, i, tracked, f"mlflow: iteration {i}", **logged)
-        return policies, tracked
+        elif step.stage == "checkpoint":
+            slots = {f"update_{slot}": made[name].outputs["policy"] for slot, name in enumerate(step.reads)}
+            task = components.checkpoint(config_json=config_json, run_id=run_id, iteration=i, force=forced, **slots)
+        elif step.stage == "evaluate":
+            policies = made["checkpoint"].outputs["checkpoint"] if "checkpoint" in made else start
+            task = components.evaluate(config_json=config_json, policies=policies, run_id=run_id, force=forced)
+        else:
+            raise ValueError(f"{step.title}: no component for the stage {step.stage!r}")
+        return self.task(step.stage, task, step.title, forced)
 
 
 def _iteration_pipeline(
@@ -258,11 +262,8 @@ def _iteration_pipeline(
     def body(config_json, run_id, start_checkpoint):
         tracked = builder.track_start(config_json, run_id, first)
         policies, reference = builder.starting_point(config_json, run_id, first, start_checkpoint)
-        if before:
-            evaluation = builder.evaluate(config_json, policies, "evaluate before training", -1, run_id=run_id)
-            results = evaluation.outputs["results"]
-            tracked = builder.track(config_json, run_id, -1, tracked, "mlflow: before training", evaluation=results)
-        checkpoint, tracked = builder.iterations(config_json, run_id, policies, reference, first, last, tracked)
+        steps = run_steps(config, first, last, evaluate_before=before)
+        checkpoint, tracked = builder.run(config_json, run_id, policies, reference, steps, tracked)
         end = components.track_end(
             config_json=config_json, run_id=run_id, last_iteration=last - 1, checkpoint=checkpoint
         )
@@ -357,7 +358,7 @@ def evaluation_pipeline(
             components.load_checkpoint(config_json=config_json, checkpoint=imported.output),
             "load checkpoint",
         )
-        return builder.evaluate(config_json, loaded.outputs["policies"], "evaluate", None, label="").outputs["results"]
+        return builder.evaluate_checkpoint(config_json, loaded.outputs["policies"]).outputs["results"]
 
     return pipeline
 
