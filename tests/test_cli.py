@@ -160,7 +160,7 @@ def test_stage_takes_only_the_stages_of_an_iteration(capsys):
     assert status == 2
     assert (
         "argument --stage: invalid choice: 'bogus' "
-        "(choose from 'rollout', 'advantage', 'update', 'evaluate', 'checkpoint')" in err
+        "(choose from 'rollout', 'advantage', 'update', 'checkpoint', 'evaluate')" in err
     )
 
 
