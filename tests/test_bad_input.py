@@ -506,7 +506,7 @@ def test_an_error_raised_in_a_ray_actor_reads_as_its_reason(capsys):
     traceback; the command prints the reason alone."""
     from ray.exceptions import RayTaskError
 
-    from drmas.cli import _fail
+    from drmas.cli_common import fail as _fail
 
     cause = CorruptArtifact("s3://b/run/policy/solver/model.safetensors: sha256 differs from the manifest (modified?)")
     wrapped = RayTaskError(

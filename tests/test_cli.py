@@ -4,7 +4,9 @@ its exit statuses (0 done, 1 failed, 2 a usage or config error), in this process
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,7 +14,7 @@ import pytest
 import yaml
 from helpers import drmas
 
-from drmas import __version__, cli
+from drmas import __version__, cli_common
 from drmas.config import load_config
 from drmas.infra.store import Store
 from drmas.runner import open_run
@@ -238,7 +240,7 @@ def test_rerun_of_one_worker_groups_update_recomputes_its_policy(tmp_path, monke
 
     def rerun(config, store, run_id, iteration, stage, cache_dir=None):
         stages.append(stage)
-        return SimpleNamespace(recomputed=[stage], stages={stage: "path"})
+        return SimpleNamespace(recomputed=[stage], ran=["rollout", stage])
 
     monkeypatch.setattr("drmas.runner.rerun", rerun)
     status, out, err = drmas(
@@ -256,8 +258,8 @@ def test_rerun_of_one_worker_groups_update_recomputes_its_policy(tmp_path, monke
         "verifier",
     )
     assert status == 0, err
-    assert stages == ["policy/verifier"]
-    assert "recomputed: policy/verifier" in out
+    assert stages == ["update/verifier"]
+    assert "recomputed: update/verifier; cache hits: rollout" in out
 
 
 @pytest.mark.parametrize(
@@ -273,9 +275,30 @@ def test_a_bf16_model_on_a_cpu_without_native_bf16_is_warned_about(native, overr
     """Emulated bf16 took 12.6x float32's time on an AVX2-only CPU: the run says so and how
     to switch, before it starts."""
     monkeypatch.setattr("drmas.infra.cpus.native_bf16", lambda: native)
-    cli._warn_if_bf16_is_slow_here(load_config(MATH, overrides))
+    cli_common.warn_if_bf16_is_slow_here(load_config(MATH, overrides))
     expected = "drmas run: warning: this CPU has no native bf16 (AVX-512 or AMX): the bfloat16 model(s) tiny "
     assert (expected in capsys.readouterr().err) == warned
     if warned:
-        cli._warn_if_bf16_is_slow_here(load_config(MATH, overrides))
+        cli_common.warn_if_bf16_is_slow_here(load_config(MATH, overrides))
         assert "add models.tiny.dtype=float32\n" in capsys.readouterr().err
+
+
+def test_the_kubeflow_commands_name_their_extra_when_kfp_is_missing(tmp_path):
+    """kfp is the ``kubeflow`` extra, not a dependency of the library: without it, drmas
+    still runs, and compile (submit, run --via kfp-local alike) stops naming the extra to
+    install, writing nothing. (A ``kfp`` package that fails to import stands in for its
+    absence.)"""
+    import subprocess
+
+    missing = tmp_path / "no-kfp" / "kfp"
+    missing.mkdir(parents=True)
+    (missing / "__init__.py").write_text("raise ImportError('No module named kfp')\n")
+    env = {**os.environ, "PYTHONPATH": str(missing.parent)}
+    drmas_bin = str(Path(sys.executable).parent / "drmas")
+    out = tmp_path / "p.yaml"
+    done = subprocess.run(
+        [drmas_bin, "compile", MATH, "-o", str(out)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    assert "pip install 'drmas[kubeflow]'" in done.stderr and not out.exists()
+    assert subprocess.run([drmas_bin, "config", MATH], env=env, capture_output=True, timeout=120).returncode == 0

@@ -16,7 +16,7 @@ import drmas
 from drmas_kfp import components
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = sorted(path.stem for path in (ROOT / "src/drmas_kfp/components").glob("*.py") if path.stem != "__init__")
+MODULES = sorted(path.stem for path in (ROOT / "components").glob("*.py") if path.stem != "__init__")
 STAGE_COMPONENTS = {
     "warmstart": components.warmstart,
     "rollout": components.rollout,
@@ -58,7 +58,7 @@ def test_component_sources_follow_the_import_rules():
     standard library only."""
     allowed_top = set(sys.stdlib_module_names) | {"kfp", "drmas_kfp"}
     for name in MODULES:
-        tree = ast.parse((ROOT / "src/drmas_kfp/components" / f"{name}.py").read_text())
+        tree = ast.parse((ROOT / "components" / f"{name}.py").read_text())
         assert _top_level_imports(tree) <= allowed_top, name
         for function in (node for node in tree.body if isinstance(node, ast.FunctionDef)):
             for node in ast.walk(function):

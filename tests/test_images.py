@@ -158,7 +158,7 @@ def dockerfile_problems(path: Path, flavor: str) -> list[str]:
     problems: list[str] = []
     dockerfile = Dockerfile(path)
     meta = project()
-    pins = exact_pins(meta["dependencies"])
+    pins = exact_pins([*meta["dependencies"], *meta["optional-dependencies"]["kubeflow"]])
     constraints = constraint_pins()
     args = dockerfile.args
 
@@ -195,11 +195,11 @@ def dockerfile_problems(path: Path, flavor: str) -> list[str]:
             problems.append(f"LABEL org.opencontainers.image.{name} missing")
     if labels.get("org.opencontainers.image.version") != "${DRMAS_VERSION}":
         problems.append("LABEL org.opencontainers.image.version must be ${DRMAS_VERSION}")
-    if labels.get("org.opencontainers.image.licenses") != meta["license"]["text"]:
+    if labels.get("org.opencontainers.image.licenses") != meta["license"]:
         problems.append("LABEL org.opencontainers.image.licenses differs from pyproject")
 
     runs = dockerfile.runs()
-    target = "." if flavor == "cpu" else ".[gpu]"
+    target = ".[kubeflow]" if flavor == "cpu" else ".[gpu,kubeflow]"  # kfp runs every task: the images need it
     install = rf"pip install -c constraints\.txt( -c \S+)* \"?{re.escape(target)}\"?(\s|$)"
     if not re.search(install, runs):
         problems.append(f"no `pip install -c constraints.txt ... {target}` of the project")

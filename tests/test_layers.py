@@ -39,10 +39,11 @@ ALLOWED: dict[str, set[str]] = {
     "stages": STAGES_MAY_IMPORT,
     # `drmas compare` (analysis) runs runs.
     "runner": STAGES_MAY_IMPORT,
-    "analysis": {"config", "infra", "runner", "analysis"},
+    "analysis": {"config", "infra", "runner", "analysis", "tasks"},  # a comparison's length: the task's data
     # The memory plan sizes the rollout with the SGLang engine's memory share.
     "planning": {"config", "generation.engines"},
     "cli": {"*"},
+    "cli_common": {"*"},  # what every command shares, the Kubeflow layer's included
 }
 """Layer -> the drmas layers (or modules) it may import. ``drmas`` itself (the version) is
 allowed everywhere."""

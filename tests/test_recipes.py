@@ -26,7 +26,7 @@ from drmas.infra.store import Store
 from drmas.models import build_scratch_policy, load_tokenizer
 from drmas.runner import open_run
 from drmas.stages import warmstart
-from drmas.stages.rollout import run_length
+from drmas.tasks import run_length
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 MATH_RECIPE = CONFIGS / "math_qwen3_4b_gpu.yaml"

@@ -234,7 +234,7 @@ def test_a_pickled_bm25_cache_is_refused_and_rebuilt(tmp_path, caplog):
     assert not marker.exists()
 
 
-SOURCE_TREES = ("src/drmas", "src/drmas_kfp")
+SOURCE_TREES = ("src/drmas", "src/drmas_kfp", "components", "pipelines")
 UNSAFE_CALLS = {
     "eval",
     "exec",

@@ -43,7 +43,6 @@ import argparse
 import logging
 import os
 import sys
-import time
 import types
 import typing
 from pathlib import Path
@@ -51,7 +50,18 @@ from pathlib import Path
 from pydantic import BaseModel
 
 import drmas
-from drmas.config import ConfigError, DrmasConfig, load_config
+import drmas_kfp.cli as kubeflow
+from drmas.cli_common import (
+    config_arguments,
+    fail,
+    load,
+    print_worker_groups,
+    refuse_unless_it_fits,
+    start_run,
+    underlying,
+    with_run_length,
+)
+from drmas.config import ConfigError, DrmasConfig
 from drmas.stages.iteration import ITERATION_STAGES
 
 if typing.TYPE_CHECKING:
@@ -70,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
     config_cmd = commands.add_parser("config", help="validate a config and print it resolved")
-    _config_arguments(config_cmd, optional=True)
+    config_arguments(config_cmd, optional=True)
     config_cmd.add_argument("--docs", action="store_true", help="document every field")
     config_cmd.add_argument(
         "-o",
@@ -79,9 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         default="json",
         help="format of the resolved config on stdout (default: json); the worker groups go to stderr",
     )
+    config_cmd.set_defaults(handler=_config)
 
     run_cmd = commands.add_parser("run", help="train a team with the embedded runner")
-    _config_arguments(run_cmd)
+    config_arguments(run_cmd)
     run_cmd.add_argument("--run-id", help="name of the run (default: experiment.run_id or a timestamp)")
     run_cmd.add_argument("--resume", metavar="RUN_ID", help="continue this run after its last complete iteration")
     run_cmd.add_argument(
@@ -90,17 +101,19 @@ def main(argv: list[str] | None = None) -> int:
         default="embedded",
         help="embedded: the runner in this process (default); kfp-local: the Kubeflow pipeline with kfp.local",
     )
-    _pipeline_options(run_cmd, run_id=False)
+    kubeflow.add_run_options(run_cmd)
+    run_cmd.set_defaults(handler=_run_via)
 
     eval_cmd = commands.add_parser("eval", help="evaluate a run's checkpoint on an eval set")
-    _config_arguments(
+    config_arguments(
         eval_cmd, "YAML config file (its eval section and data.eval are used)", "e.g. data.eval=other.jsonl"
     )
     eval_cmd.add_argument("--run-id", required=True, help="the run whose checkpoint to evaluate")
     eval_cmd.add_argument("--iteration", type=int, metavar="I", help="checkpointed iteration (default: the last)")
+    eval_cmd.set_defaults(handler=_eval)
 
     rerun_cmd = commands.add_parser("rerun", help="recompute one stage of an iteration from its stored inputs")
-    _config_arguments(rerun_cmd, "YAML config file of the run", "must match the run's")
+    config_arguments(rerun_cmd, "YAML config file of the run", "must match the run's")
     rerun_cmd.add_argument("--run-id", required=True, help="the run whose iteration to recompute")
     rerun_cmd.add_argument(
         "--iteration", type=int, required=True, metavar="I", help="a checkpointed iteration of the run"
@@ -111,11 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="WG",
         help="with --stage update: only this worker group's update (default: every group's)",
     )
+    rerun_cmd.set_defaults(handler=_rerun)
 
     compare_cmd = commands.add_parser(
         "compare", help="train the same team per advantage mode and seed, and compare them"
     )
-    _config_arguments(compare_cmd, overrides_help="for every run")
+    config_arguments(compare_cmd, overrides_help="for every run")
     compare_cmd.add_argument(
         "--advantage", default="grpo,drmas", help="comma-separated advantage modes (default: grpo,drmas)"
     )
@@ -123,12 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     compare_cmd.add_argument(
         "--name", default="compare", help="prefix of the runs and folder of the report (default: compare)"
     )
+    compare_cmd.set_defaults(handler=_compare)
 
     plan_cmd = commands.add_parser(
         "plan",
         help="the memory per pool slot and whether it fits the device (exit 1 when it does not)",
     )
-    _config_arguments(plan_cmd)
+    config_arguments(plan_cmd)
     plan_cmd.add_argument(
         "--device-memory",
         metavar="SIZE",
@@ -138,33 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     plan_cmd.add_argument(
         "-o", "--output", choices=("text", "json"), default="text", help="a table (default) or JSON, bytes"
     )
+    plan_cmd.set_defaults(handler=_plan)
 
     pool_cmd = commands.add_parser("pool", help="show or free a run's pool of workers on a Ray cluster")
     pool_cmd.add_argument("action", choices=("status", "down"), help="status: its workers; down: free them")
     pool_cmd.add_argument("run", metavar="EXPERIMENT/RUN_ID", help="the run, as its folder in the store names it")
     pool_cmd.add_argument("--address", help="the Ray cluster (default: $RAY_ADDRESS)")
+    pool_cmd.set_defaults(handler=_pool)
 
-    compile_cmd = commands.add_parser("compile", help="compile the Kubeflow pipeline of a config to YAML")
-    _config_arguments(compile_cmd)
-    compile_cmd.add_argument("-o", "--output", required=True, help="where to write the compiled pipeline (YAML)")
-    _pipeline_options(compile_cmd)
-    _cluster_options(compile_cmd)
-
-    submit_cmd = commands.add_parser("submit", help="compile the Kubeflow pipeline of a config and start a run")
-    _config_arguments(submit_cmd)
-    submit_cmd.add_argument("--host", required=True, help="the Kubeflow Pipelines API, e.g. http://localhost:8080")
-    submit_cmd.add_argument("--experiment", help="KFP experiment (default: experiment.name)")
-    submit_cmd.add_argument("--run-name", help="KFP run name (default: the run id and the pipeline)")
-    submit_cmd.add_argument("--namespace", help="Kubernetes namespace of a multi-user Kubeflow")
-    submit_cmd.add_argument(
-        "--service-account",
-        default=None,
-        help="the steps' ServiceAccount (default: drmas-pipeline, or with --namespace '': the namespace's "
-        "default-editor; '' for the namespace default)",
-    )
-    submit_cmd.add_argument("-o", "--output", help="also keep the compiled pipeline here (the first part's)")
-    _pipeline_options(submit_cmd)
-    _cluster_options(submit_cmd)
+    kubeflow.register(commands)
 
     import_cmd = commands.add_parser(
         "import-gguf", help="convert a GGUF model file into a policy folder (HF layout, safetensors)"
@@ -177,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         default="float32",
         help="dtype of the saved weights (default: float32, the dequantised values exactly)",
     )
+    import_cmd.set_defaults(handler=_import_gguf)
 
     # The service's command parses its own arguments (drmas.tasks.retrieval_service.main).
     commands.add_parser(
@@ -203,32 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "config", None) is not None and (problem := _config_file_problem(args.config)):
         commands.choices[args.command].error(problem)
     try:
-        if args.command == "config":
-            return _config(args)
-        if args.command == "eval":
-            return _eval(args)
-        if args.command == "rerun":
-            return _rerun(args)
-        if args.command == "compare":
-            return _compare(args)
-        if args.command == "plan":
-            return _plan(args)
-        if args.command == "pool":
-            return _pool(args)
-        if args.command == "import-gguf":
-            return _import_gguf(args)
-        if args.command in ("compile", "submit"):
-            return _compile_or_submit(args)
-        if args.via == "kfp-local":
-            return _run_kfp_local(args)
-        if args.force or args.pipeline != "train" or args.start_iteration or args.checkpoint or args.iterations:
-            return _fail(
-                "run",
-                "--pipeline, --start-iteration, --iterations, --checkpoint and --force need --via kfp-local "
-                "(the embedded runner resumes with --resume; drmas rerun recomputes a stage)",
-                2,
-            )
-        return _run(args)
+        return args.handler(args)
     except ConfigError as error:
         print(f"drmas: {error}", file=sys.stderr)
         return 2
@@ -242,27 +215,9 @@ def _import_gguf(args: argparse.Namespace) -> int:
     try:
         folder = import_gguf(args.gguf_file, args.out_dir, args.dtype)
     except PolicyError as error:
-        return _fail("import-gguf", error)
+        return fail("import-gguf", error)
     print(folder)
     return 0
-
-
-def _config_arguments(
-    command: argparse.ArgumentParser,
-    config_help: str = "YAML config file",
-    overrides_help: str = "",
-    optional: bool = False,
-) -> None:
-    """The CONFIG file and the overrides that every command takes first; the overrides
-    may be none (``default``: argparse would otherwise call them required)."""
-    command.add_argument("config", nargs="?" if optional else None, metavar="CONFIG", help=config_help)
-    command.add_argument(
-        "overrides",
-        nargs="*",
-        default=[],
-        metavar="a.b=value",
-        help="section.field=value overrides" + (f" ({overrides_help})" if overrides_help else ""),
-    )
 
 
 def _config_file_problem(config: str) -> str | None:
@@ -279,13 +234,6 @@ def _config_file_problem(config: str) -> str | None:
     return None
 
 
-def _fail(command: str, message: object, status: int = 1) -> int:
-    """Say on stderr why ``drmas COMMAND`` stops, and return its exit status: every
-    handler's failures read the same way (``drmas COMMAND: ...``)."""
-    print(f"drmas {command}: {_underlying(message)}", file=sys.stderr)
-    return status
-
-
 def _stopping_errors() -> tuple[type[Exception], ...]:
     """What stops a training command with a message rather than a traceback: bad input or
     a damaged store (ValueError, StoreError), an MLflow server that cannot open the run,
@@ -299,19 +247,6 @@ def _stopping_errors() -> tuple[type[Exception], ...]:
     return StoreError, ValueError, TrackingUnavailable, WorkerGroupDied, RetrievalError
 
 
-def _underlying(error: object) -> object:
-    """The exception a Ray task raised rather than Ray's wrapper around it, whose text is
-    the remote traceback: the user needs the reason, which the cause's message gives."""
-    ray_exceptions = sys.modules.get("ray.exceptions")
-    while (
-        ray_exceptions is not None
-        and isinstance(error, ray_exceptions.RayTaskError)
-        and isinstance(error.cause, BaseException)
-    ):
-        error = error.cause
-    return error
-
-
 def _check_inputs(config: DrmasConfig) -> None:
     """Read the question sets (and a search corpus) before anything is written or started,
     so that a bad data file stops the command with its DataError (file, row, reason), not
@@ -323,25 +258,6 @@ def _check_inputs(config: DrmasConfig) -> None:
     from drmas.registry import task_for  # noqa: PLC0415
 
     task_for(config).corpus(config)
-
-
-def _with_run_length(config: DrmasConfig) -> DrmasConfig:
-    """``config`` with ``experiment.epochs`` resolved against its training set (read once
-    to count it), for the commands that fix a run's length before any stage runs (a
-    compiled pipeline holds its iterations); a ConfigError when it cannot be."""
-    from drmas.stages.rollout import run_length  # noqa: PLC0415
-
-    return run_length(config)
-
-
-def _load(args: argparse.Namespace, logs: bool = True) -> DrmasConfig:
-    """The command's config: its CONFIG file with the overrides. ``logs`` sends the
-    library's progress lines (logging INFO) to stdout, beside the command's own output,
-    for the commands that run stages."""
-    if logs:
-        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-        logging.getLogger("urllib3").setLevel(logging.ERROR)  # drmas reports MLflow outages itself
-    return load_config(args.config, args.overrides)
 
 
 def _missing_run(config: DrmasConfig, store: Store, run_id: str) -> str | None:
@@ -358,51 +274,15 @@ def _missing_run(config: DrmasConfig, store: Store, run_id: str) -> str | None:
     )
 
 
-def _run_id(args: argparse.Namespace, config: DrmasConfig) -> str:
-    """The run a command trains or compiles for: --resume (run only), --run-id, the
-    config's experiment.run_id, or a new one named by the time."""
-    return getattr(args, "resume", None) or args.run_id or config.experiment.run_id or time.strftime("%Y%m%d-%H%M%S")
-
-
-def _start_run(args: argparse.Namespace) -> tuple[DrmasConfig, str]:
-    """What both ways of ``drmas run`` (embedded, kfp-local) do first: the config, with
-    logs on, the run id, and the worker groups printed."""
-    config = _load(args)
-    run_id = _run_id(args, config)
-    _print_worker_groups(config)
-    _warn_if_bf16_is_slow_here(config)
-    return config, run_id
-
-
-def _warn_if_bf16_is_slow_here(config: DrmasConfig) -> None:
-    """A bfloat16 worker group on a pool of this machine's CPU, which has no native bf16:
-    say that it trains many times slower than float32 here, and how to switch."""
-    if config.ray.address or config.ray.pool_resource == "GPU":
-        return  # the pool is not this machine's CPU
-    groups = sorted({g.model for g in config.worker_groups() if g.spec is not None and g.spec.dtype == "bfloat16"})
-    if not groups:
-        return
-    from drmas.infra.cpus import native_bf16  # noqa: PLC0415 - imports torch
-
-    if native_bf16():
-        return
-    switch = " ".join(f"models.{model}.dtype=float32" for model in groups)
-    print(
-        f"drmas run: warning: this CPU has no native bf16 (AVX-512 or AMX): the bfloat16 model(s) "
-        f"{', '.join(groups)} will train about ten times slower than in float32 here; add {switch}",
-        file=sys.stderr,
-    )
-
-
 def _config(args: argparse.Namespace) -> int:
     """Validate the config; print it resolved on stdout (JSON or YAML, nothing else)."""
     if args.docs:
         print("\n".join(describe_fields(DrmasConfig)))
         return 0
     if not args.config:
-        return _fail("config", "give a CONFIG file, or --docs", 2)
-    config = _load(args, logs=False)
-    _print_worker_groups(config, sys.stderr)  # stdout holds only the config, for a parser
+        return fail("config", "give a CONFIG file, or --docs", 2)
+    config = load(args, logs=False)
+    print_worker_groups(config, sys.stderr)  # stdout holds only the config, for a parser
     if args.output == "yaml":
         import json  # noqa: PLC0415
 
@@ -414,30 +294,51 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_via(args: argparse.Namespace) -> int:
+    """``drmas run``: the embedded runner, or the pipeline with kfp.local (``--via``)."""
+    if args.via == "kfp-local":
+        return kubeflow.run_kfp_local(args)
+    if (
+        args.force
+        or args.pipeline != "train"
+        or args.start_iteration
+        or args.checkpoint
+        or args.iterations
+        or args.parallel
+    ):
+        return fail(
+            "run",
+            "--pipeline, --start-iteration, --iterations, --checkpoint, --force and --parallel need --via "
+            "kfp-local (the embedded runner resumes with --resume; drmas rerun recomputes a stage)",
+            2,
+        )
+    return _run(args)
+
+
 def _run(args: argparse.Namespace) -> int:
     from drmas.infra.store import Store  # noqa: PLC0415
     from drmas.runner import open_run, train  # noqa: PLC0415
     from drmas.stages.track import summary_table  # noqa: PLC0415
 
-    config, run_id = _start_run(args)
-    if (refused := _refuse_unless_it_fits(args.command, config)) is not None:
+    config, run_id = start_run(args)
+    if (refused := refuse_unless_it_fits(args.command, config)) is not None:
         return refused
     try:
         _check_inputs(config)
-        config = _with_run_length(config)
+        config = with_run_length(config)
     except ValueError as error:
-        return _fail("run", error)
+        return fail("run", error)
     try:
         store = Store.from_config(config.store)
         if args.resume is not None and (missing := _missing_run(config, store, run_id)):
-            return _fail("run", missing)
+            return fail("run", missing)
         config = open_run(config, store, run_id, resume=args.resume is not None)
         print(f"run {run_id}: {config.total_iterations} iterations, store {store.uri(config.experiment.name)}/{run_id}")
         summary = train(config, store, run_id, cache_dir=Path(".cache") / "drmas", config_path=args.config)
     except _stopping_errors() as error:
-        return _fail("run", f"cannot continue run {run_id}: {_underlying(error)}")
+        return fail("run", f"cannot continue run {run_id}: {underlying(error)}")
     except KeyboardInterrupt:
-        return _fail("run", f"interrupted; resume with: drmas run {args.config} --resume {run_id}", 130)
+        return fail("run", f"interrupted; resume with: drmas run {args.config} --resume {run_id}", 130)
     if summary.iterations_run == 0:
         print(f"run {run_id}: nothing left to do (all {config.total_iterations} iterations are complete)")
         return 0
@@ -454,29 +355,29 @@ def _rerun(args: argparse.Namespace) -> int:
     from drmas.infra.store import Store  # noqa: PLC0415
     from drmas.runner import open_run, rerun  # noqa: PLC0415
 
-    config = _load(args)
+    config = load(args)
     stage = args.stage
     if args.worker_group is not None:
         groups = [group.name for group in config.worker_groups()]
         if stage != "update" or args.worker_group not in groups:
-            return _fail(
+            return fail(
                 "rerun",
                 f"--worker-group takes --stage update and one of {', '.join(groups)} "
                 f"(got --stage {stage} --worker-group {args.worker_group})",
                 2,
             )
-        stage = f"policy/{args.worker_group}"
+        stage = f"update/{args.worker_group}"
     try:
         store = Store.from_config(config.store)
         if missing := _missing_run(config, store, args.run_id):
-            return _fail("rerun", missing)
+            return fail("rerun", missing)
         config = open_run(config, store, args.run_id, resume=True)
         result = rerun(config, store, args.run_id, args.iteration, stage, cache_dir=Path(".cache") / "drmas")
     except _stopping_errors() as error:
-        return _fail("rerun", error)
+        return fail("rerun", error)
     print(
         f"recomputed: {', '.join(result.recomputed)}; cache hits: "
-        f"{', '.join(n for n in result.stages if n not in result.recomputed and not n.startswith('optim/'))}"
+        f"{', '.join(step for step in result.ran if step not in result.recomputed)}"
     )
     return 0
 
@@ -484,19 +385,19 @@ def _rerun(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from drmas.analysis.compare import compare  # noqa: PLC0415
 
-    _load(args)  # validates the config and the overrides before any run starts
+    load(args)  # validates the config and the overrides before any run starts
     modes = [mode.strip() for mode in args.advantage.split(",") if mode.strip()]
     if not modes or any(mode not in ("grpo", "drmas") for mode in modes) or args.seeds < 1:
-        return _fail(
+        return fail(
             "compare", f"--advantage takes grpo and/or drmas (got {args.advantage!r}) and --seeds at least 1", 2
         )
     cache_dir = Path(".cache") / "drmas"
     try:
         runs, report = compare(args.config, args.overrides, modes, list(range(args.seeds)), args.name, cache_dir)
     except _stopping_errors() as error:
-        return _fail("compare", error)
+        return fail("compare", error)
     except KeyboardInterrupt:
-        return _fail("compare", "interrupted; the same command continues where it stopped", 130)
+        return fail("compare", "interrupted; the same command continues where it stopped", 130)
     print(f"runs: {', '.join(run.run_id for run in runs)}\nreport: {report}/report.md")
     return 0
 
@@ -510,20 +411,20 @@ def _eval(args: argparse.Namespace) -> int:
     from drmas.stages.contracts import settings_label  # noqa: PLC0415
     from drmas.stages.evaluate import evaluate  # noqa: PLC0415
 
-    config = _load(args)
+    config = load(args)
     experiment = config.experiment.name
     try:
         _check_inputs(config)
         store = Store.from_config(config.store)
         if missing := _missing_run(config, store, args.run_id):
-            return _fail("eval", missing)
+            return fail("eval", missing)
         iteration = args.iteration
         if iteration is None:
             from drmas.stages.checkpoint import resume_point  # noqa: PLC0415
 
             iteration = resume_point(config, store, args.run_id).next_iteration - 1
         if iteration < 0 or not store.exists(stage_path(experiment, args.run_id, iteration, "checkpoint")):
-            return _fail("eval", f"run {args.run_id} has no checkpoint for iteration {iteration}")
+            return fail("eval", f"run {args.run_id} has no checkpoint for iteration {iteration}")
         path = stage_path(experiment, args.run_id, iteration, settings_label(config))
         if store.exists(path):
             metrics = store.open(path).read_json("metrics.json")
@@ -535,7 +436,7 @@ def _eval(args: argparse.Namespace) -> int:
             with ray_session(config), RayPool(config, store) as pool:
                 metrics = evaluate(config, store, path, policies, pool).metrics
     except _stopping_errors() as error:
-        return _fail("eval", error)
+        return fail("eval", error)
     print(f"{store.uri(path)}")
     for key in sorted(metrics):
         print(f"{key} {metrics[key]:.4f}")
@@ -547,10 +448,10 @@ def _pool(args: argparse.Namespace) -> int:
     local run's pool lives only as long as the run's own Ray)."""
     experiment, _, run_id = args.run.partition("/")
     if not experiment or not run_id or "/" in run_id:
-        return _fail("pool", f"{args.run!r}: expected EXPERIMENT/RUN_ID, e.g. math-tiny/20261201-120000", 2)
+        return fail("pool", f"{args.run!r}: expected EXPERIMENT/RUN_ID, e.g. math-tiny/20261201-120000", 2)
     address = args.address or os.environ.get("RAY_ADDRESS")
     if not address:
-        return _fail("pool", "no Ray cluster to ask: pass --address or set RAY_ADDRESS", 2)
+        return fail("pool", "no Ray cluster to ask: pass --address or set RAY_ADDRESS", 2)
     import ray  # noqa: PLC0415
 
     from drmas.generation.pool import free_pool, pool_status  # noqa: PLC0415
@@ -558,7 +459,7 @@ def _pool(args: argparse.Namespace) -> int:
     try:
         ray.init(address=address, log_to_driver=False, configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as error:
-        return _fail("pool", f"cannot join the Ray cluster at {address}: {error}")
+        return fail("pool", f"cannot join the Ray cluster at {address}: {error}")
     try:
         if args.action == "down":
             print(f"{args.run}: freed {free_pool(experiment, run_id)} worker(s)")
@@ -578,17 +479,6 @@ def _pool(args: argparse.Namespace) -> int:
         ray.shutdown()
 
 
-def _iteration_count(text: str) -> int:
-    """--iterations: a whole number of at least 1 (0 or less would train nothing)."""
-    try:
-        count = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of iterations") from None
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"{count}: a run part takes at least 1 iteration")
-    return count
-
-
 def _device_memory(text: str) -> int:
     """--device-memory as bytes; a bad size is a usage error naming the text."""
     from drmas.planning import PlanError, parse_size  # noqa: PLC0415
@@ -605,403 +495,13 @@ def _plan(args: argparse.Namespace) -> int:
 
     from drmas.planning import PlanError, plan_memory  # noqa: PLC0415
 
-    config = _load(args, logs=False)
+    config = load(args, logs=False)
     try:
         plan = plan_memory(config, args.device_memory)
     except PlanError as error:
-        return _fail("plan", error, 2)
+        return fail("plan", error, 2)
     print(json.dumps(plan.to_dict(), indent=2) if args.output == "json" else plan.text())
     return 1 if plan.fits is False else 0
-
-
-def _refuse_unless_it_fits(command: str, config: DrmasConfig) -> int | None:
-    """Exit status 2, the plan's problems printed, when a config cannot fit the devices of
-    ``ray.device_memory_gb``: better now than out of memory an hour into a cluster run.
-    No device memory (CPU runs) or a model the plan cannot size: no check (the latter says
-    so)."""
-    if config.ray.device_memory_gb is None:
-        return None
-    from drmas.planning import PlanError, plan_memory  # noqa: PLC0415
-
-    try:
-        plan = plan_memory(config)
-    except PlanError as error:
-        print(f"drmas {command}: warning: no memory check: {error}", file=sys.stderr)
-        return None
-    if plan.fits:
-        return None
-    problems = "\n".join(f"  - {problem}" for problem in plan.problems)
-    return _fail(
-        command,
-        f"the config does not fit {config.ray.device_memory_gb:g} GB per slot (ray.device_memory_gb); "
-        f"drmas plan prints the whole plan:\n{problems}",
-        2,
-    )
-
-
-def _pipeline_options(command: argparse.ArgumentParser, run_id: bool = True) -> None:
-    """The options shared by compile, submit and run --via kfp-local."""
-    command.add_argument(
-        "--pipeline",
-        choices=("train", "rl_iteration", "evaluate"),
-        default="train",
-        help="train: warm start then every iteration (default); rl_iteration: one iteration; evaluate: a checkpoint",
-    )
-    if run_id:
-        command.add_argument("--run-id", help="the drmas run (store folder; default: experiment.run_id or a timestamp)")
-    command.add_argument(
-        "--start-iteration",
-        type=int,
-        default=0,
-        metavar="K",
-        help="train: start at iteration K from the checkpoint of K-1; rl_iteration: the iteration to run",
-    )
-    command.add_argument(
-        "--iterations",
-        type=_iteration_count,
-        metavar="N",
-        help="train: at most N iterations from the start (default: up to experiment.iterations); "
-        "split long runs: KFP keeps a run's whole spec, about 37 KiB per iteration",
-    )
-    command.add_argument(
-        "--checkpoint",
-        metavar="URI",
-        help="store URI of the checkpoint to start from (default: the run's checkpoint of K-1) or, "
-        "for --pipeline evaluate, to evaluate (default: the run's last)",
-    )
-    command.add_argument(
-        "--force",
-        action="append",
-        default=[],
-        metavar="STAGE[@I]",
-        help="recompute this stage (warmstart, rollout, advantage, update, update/WG, checkpoint, evaluate), "
-        "in every iteration or in iteration I only, even where a cached result exists; repeatable",
-    )
-
-
-def _build_pipeline(
-    args: argparse.Namespace,
-    config: DrmasConfig,
-    run_id: str,
-    images: dict[str, str] | None = None,
-    start: int | None = None,
-    iterations: int | None = None,
-    checkpoint: str | None = None,
-):
-    """The pipeline named by --pipeline, and its arguments (--start-iteration, --iterations,
-    --checkpoint unless given here); None after printing a problem."""
-    try:
-        from drmas_kfp.pipelines.build import build_pipeline  # noqa: PLC0415 - kfp only for these commands
-    except ImportError as error:
-        _fail(
-            args.command,
-            f"the Kubeflow pipelines are not installed here ({error}); "
-            "install drmas from its repository (pip install -e .)",
-        )
-        return None
-    try:
-        return build_pipeline(
-            args.pipeline,
-            config,
-            run_id,
-            args.start_iteration if start is None else start,
-            args.checkpoint if checkpoint is None else checkpoint,
-            args.force,
-            args.iterations if iterations is None else iterations,
-            images=images,
-        )
-    except ValueError as error:
-        _fail(args.command, error)
-        return None
-
-
-LARGE_PIPELINE = 1 << 20
-"""Compiled pipelines above this size get a warning (KFP keeps a run's whole spec)."""
-ITERATIONS_PER_RUN = 10
-"""The most iterations ``drmas submit`` puts in one KFP run (about 37 KiB of spec each)."""
-
-
-def _cluster_options(command: argparse.ArgumentParser) -> None:
-    """The options of compile and submit only: the images, the KFP backend, the parts."""
-    command.add_argument(
-        "--image-registry",
-        metavar="REGISTRY",
-        help="registry and namespace of the drmas images, e.g. registry.example.com/ml (default: that of the last "
-        "images/build.sh, recorded in images/.last-build)",
-    )
-    command.add_argument(
-        "--image-tag", metavar="TAG", help="tag of the drmas images (default: that of the last images/build.sh)"
-    )
-    command.add_argument(
-        "--kfp-backend",
-        metavar="VERSION",
-        default="2.15",
-        help="the Kubeflow Pipelines version the pipeline runs on (default 2.15; 2.3 or later: older versions get "
-        "a spec without the fields they do not know, and the drmas-s3 secret must then hold AWS_ENDPOINT_URL)",
-    )
-    command.add_argument(
-        "--iterations-per-run",
-        type=int,
-        default=ITERATIONS_PER_RUN,
-        metavar="N",
-        help=f"train: at most N iterations in one KFP run (default {ITERATIONS_PER_RUN}; 0: no limit); submit "
-        "starts the first part and prints the command of each next one, compile warns above it",
-    )
-
-
-def _parts(args: argparse.Namespace, config: DrmasConfig) -> list[tuple[int, int]]:
-    """(first iteration, iterations) of each KFP run a train submission takes."""
-    start = args.start_iteration
-    end = config.iterations_from(start, args.iterations).stop
-    size = args.iterations_per_run
-    if args.pipeline != "train" or size <= 0 or end - start <= size or start >= end:
-        return [(start, args.iterations)] if args.pipeline == "train" else [(start, 0)]
-    return [(first, min(size, end - first)) for first in range(start, end, size)]
-
-
-def _next_part_command(
-    args: argparse.Namespace, run_id: str, images: dict[str, str], first: int, count: int, part: str
-) -> str:
-    """The exact `drmas submit` of a later part: the same config, overrides and options,
-    the run id and images pinned (a later build does not change a run's images)."""
-    import shlex  # noqa: PLC0415
-
-    words = ["drmas", "submit", args.config, *args.overrides, "--host", args.host, "--run-id", run_id]
-    words += ["--start-iteration", str(first), "--iterations", str(count)]
-    words += ["--iterations-per-run", str(args.iterations_per_run)]
-    registries = {reference.rpartition(":")[0].rpartition("/")[0] for reference in images.values()}
-    tags = {reference.rpartition(":")[2] for reference in images.values()}
-    if len(registries) == 1 and len(tags) == 1:
-        words += ["--image-registry", registries.pop(), "--image-tag", tags.pop()]
-    if args.kfp_backend != "2.15":
-        words += ["--kfp-backend", args.kfp_backend]
-    for option in ("experiment", "namespace", "service_account"):
-        if getattr(args, option) is not None:
-            words += [f"--{option.replace('_', '-')}", getattr(args, option)]
-    words += ["--run-name", f"{args.run_name or run_id} {part}"]
-    for item in args.force:
-        words += ["--force", item]
-    return shlex.join(words)
-
-
-def _compile_or_submit(args: argparse.Namespace) -> int:
-    """``drmas compile`` and ``drmas submit``: the pipeline built from the config and
-    compiled for --kfp-backend, then written (compile) or started on Kubeflow (submit: a
-    train run longer than --iterations-per-run starts its first part and prints the rest)."""
-    config = _load(args, logs=False)
-    if (refused := _refuse_unless_it_fits(args.command, config)) is not None:
-        return refused
-    run_id = _run_id(args, config)
-    try:
-        images = _pipeline_images(args)
-    except ValueError as error:
-        return _fail(args.command, error)
-    if args.iterations_per_run < 0:
-        return _fail(args.command, f"--iterations-per-run must be 0 (no limit) or more, not {args.iterations_per_run}")
-    config = _with_run_length(config)
-    parts = _parts(args, config) if args.command == "submit" else [(args.start_iteration, args.iterations)]
-    first, count = parts[0]
-    built = _build_pipeline(args, config, run_id, images, first, count if len(parts) > 1 else None)
-    if built is None:
-        return 2
-    func, arguments = built
-    iterations = (
-        len(config.iterations_from(first, count)) if args.pipeline == "train" else int(args.pipeline == "rl_iteration")
-    )
-    if args.command == "submit":
-        return _submit(args, config, run_id, images, parts, func, arguments, iterations)
-    try:
-        path = _compiled(args, func, Path(args.output), iterations)
-    except ValueError as error:
-        return _fail(args.command, error, 2)
-    print(f"compiled the {args.pipeline} pipeline {func.name} to {path}")
-    print(f"parameters: {', '.join(f'{k}={v}' for k, v in arguments.items() if k != 'config_json')} (and config_json)")
-    return 0
-
-
-def _pipeline_images(args: argparse.Namespace) -> dict[str, str]:
-    """The images the pipeline's tasks run (--image-registry/--image-tag, else the last
-    images/build.sh), its warnings printed; ValueError for an unknown --kfp-backend or
-    images it cannot name. Nothing when the Kubeflow layer is not installed
-    (``_build_pipeline`` says why)."""
-    try:
-        from drmas_kfp.components.images import resolve_images  # noqa: PLC0415
-        from drmas_kfp.pipelines.platform import check_backend  # noqa: PLC0415
-    except ImportError:
-        return {}
-    check_backend(args.kfp_backend)
-    resolved = resolve_images(args.image_registry, args.image_tag)
-    for warning in resolved.warnings:
-        print(f"drmas {args.command}: warning: {warning}", file=sys.stderr)
-    return resolved.images
-
-
-def _compiled(args: argparse.Namespace, func: typing.Any, path: Path, iterations: int) -> Path:
-    """The pipeline compiled to ``path`` for --kfp-backend, the changes that backend needs
-    printed (ValueError: it cannot run there), and a warning when it is too large for one
-    KFP run."""
-    from drmas_kfp.pipelines.build import compile_pipeline  # noqa: PLC0415
-    from drmas_kfp.pipelines.platform import for_backend  # noqa: PLC0415
-
-    compile_pipeline(func, path)
-    for change in for_backend(path, args.kfp_backend):
-        print(f"drmas {args.command}: for KFP {args.kfp_backend}: {change}", file=sys.stderr)
-    if args.iterations_per_run and iterations > args.iterations_per_run:
-        print(
-            f"drmas {args.command}: warning: the pipeline runs {iterations} iterations, more than "
-            f"--iterations-per-run {args.iterations_per_run}; KFP keeps a run's whole spec (its database, "
-            "the Argo workflow in etcd: 1.5 MiB): drmas submit runs it in parts, or compile parts with "
-            "--start-iteration K --iterations N",
-            file=sys.stderr,
-        )
-    elif path.stat().st_size > LARGE_PIPELINE:
-        print(
-            f"drmas {args.command}: warning: the compiled pipeline is {path.stat().st_size >> 20} MiB; "
-            "KFP keeps a run's whole spec (its database, the Argo workflow in etcd: 1.5 MiB): run it in "
-            "parts with --iterations N and --start-iteration K",
-            file=sys.stderr,
-        )
-    return path
-
-
-def _submit(
-    args: argparse.Namespace,
-    config: DrmasConfig,
-    run_id: str,
-    images: dict[str, str],
-    parts: list[tuple[int, int]],
-    func: typing.Any,
-    arguments: dict[str, typing.Any],
-    iterations: int,
-) -> int:
-    """Start the pipeline (the first of ``parts``) as a KFP run, and print how to submit
-    each later part."""
-    import tempfile  # noqa: PLC0415
-
-    from drmas_kfp.pipelines.submit import submit  # noqa: PLC0415
-
-    if not config.store.root.startswith("s3://"):
-        print(
-            f"drmas submit: warning: store.root is {config.store.root!r}, a local folder; the pipeline's pods "
-            "see it only if it is a volume mounted there (use s3://bucket/prefix)",
-            file=sys.stderr,
-        )
-    first = parts[0][0]
-    part = f"iterations {first}..{first + iterations - 1} (part 1/{len(parts)})" if len(parts) > 1 else ""
-    if part:
-        name = f"{args.run_name or run_id} {part}"
-    else:
-        name = args.run_name or f"{run_id} {args.pipeline}" + (
-            f" (force {', '.join(args.force)})" if args.force else ""
-        )
-    with tempfile.TemporaryDirectory() as scratch:
-        try:
-            path = _compiled(
-                args, func, Path(args.output) if args.output else Path(scratch) / "pipeline.yaml", iterations
-            )
-        except ValueError as error:
-            return _fail(args.command, error, 2)
-        try:  # service account None: drmas-pipeline, or in a Profile namespace its default-editor
-            kfp_run, url = submit(
-                path,
-                args.host,
-                arguments,
-                args.experiment or config.experiment.name,
-                name,
-                args.namespace,
-                args.service_account,
-            )
-        except Exception as error:
-            return _fail("submit", f"could not start the run on {args.host}: {type(error).__name__}: {error}")
-    what = f"{args.pipeline} pipeline {func.name}"
-    if not part:
-        print(f"submitted the {what} as KFP run {kfp_run} (drmas run {run_id}): {url}")
-        return 0
-    print(f"submitted {part} of the {what} as KFP run {kfp_run} (drmas run {run_id}): {url}")
-    print(
-        f"the run has {sum(count for _, count in parts)} iterations, more than --iterations-per-run "
-        f"{args.iterations_per_run}: KFP keeps a run's whole spec, and cannot start a run when another ends. "
-        "Each next part starts from the checkpoint of the part before it: submit it once the KFP run before "
-        "it has succeeded:"
-    )
-    for index, (start, size) in enumerate(parts[1:], start=2):
-        label = f"iterations {start}..{start + size - 1} (part {index}/{len(parts)})"
-        print(f"  # {label}")
-        print(f"  {_next_part_command(args, run_id, images, start, size, label)}")
-    return 0
-
-
-def _run_kfp_local(args: argparse.Namespace) -> int:
-    config, run_id = _start_run(args)
-    if (refused := _refuse_unless_it_fits(args.command, config)) is not None:
-        return refused
-    config = _with_run_length(config)
-    built = _build_pipeline(args, config, run_id)
-    if built is None:
-        return 2
-    func, arguments = built
-    from drmas_kfp.pipelines.local import DEFAULT_ROOT, TaskLog, run_local  # noqa: PLC0415
-
-    print(
-        f"run {run_id}: the {args.pipeline} pipeline {func.name} with kfp.local (outputs and cache in {DEFAULT_ROOT})"
-    )
-    log = TaskLog(DEFAULT_ROOT / "logs" / f"{run_id}-{args.pipeline}-{time.strftime('%Y%m%d-%H%M%S')}.log", sys.stdout)
-    try:
-        output = run_local(func, arguments, config, DEFAULT_ROOT, log)
-    except RuntimeError as error:
-        return _fail("run", f"the pipeline failed: {error}; kfp.local's log: {log.path}")
-    except KeyboardInterrupt:
-        return _fail(
-            "run", f"interrupted; run the same command again to continue run {run_id} (finished tasks are cached)", 130
-        )
-    finally:
-        log.close()
-    if args.pipeline != "evaluate":
-        _print_pipeline_summary(args, config, run_id)
-    where = output.metadata.get("store_uri", output.uri) if output is not None else ""
-    print(f"{'results' if args.pipeline == 'evaluate' else 'checkpoint'}: {where}")
-    print(f"kfp.local's log: {log.path}")
-    return 0
-
-
-def _print_pipeline_summary(args: argparse.Namespace, config: DrmasConfig, run_id: str) -> None:
-    """What the embedded runner prints, from what the pipeline stored: a line per iteration
-    it ran, the before/after table, and where the report and the MLflow run are."""
-    import json  # noqa: PLC0415
-
-    from drmas.analysis.report import run_history  # noqa: PLC0415
-    from drmas.infra.layout import run_path  # noqa: PLC0415
-    from drmas.infra.store import Store  # noqa: PLC0415
-    from drmas.stages.track import TRACKING_FILE, RunSummary, summary_line, summary_table  # noqa: PLC0415
-
-    store = Store.from_config(config.store)
-    steps = dict(run_history(config, store, run_id))
-    first = args.start_iteration
-    span = (
-        range(first, first + 1) if args.pipeline == "rl_iteration" else config.iterations_from(first, args.iterations)
-    )
-    ran = [i for i in span if i + 1 in steps]
-    for i in ran:
-        print(summary_line(i, steps[i + 1], config.eval.k))
-    if not ran:
-        return
-    before = steps.get(0, {}) if first == 0 else {}
-    if table := summary_table(RunSummary(run_id, len(ran), ran[-1], steps[ran[-1] + 1], before), config.eval.k):
-        print(table)
-    report = f"{run_path(config.experiment.name, run_id)}/report"
-    if store.exists(report) and TRACKING_FILE in store.open(report).files:
-        tracking = json.loads(store.open(report).read_bytes(TRACKING_FILE))
-        print(f"report: {store.uri(report)}/report.md\nmlflow: {tracking['uri']}")
-
-
-def _print_worker_groups(config: DrmasConfig, file: typing.TextIO | None = None) -> None:
-    """One line per worker group, on ``file`` (default: stdout, as it is when printing)."""
-    for group in config.worker_groups():
-        print(
-            f"worker group {group.name}: model {group.model}, agents {', '.join(group.agents)}, "
-            f"lr {group.lr}, micro-batch {group.micro_batch_size}",
-            file=file,
-        )
 
 
 def describe_fields(model: type[BaseModel], prefix: str = "") -> list[str]:

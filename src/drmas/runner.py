@@ -50,10 +50,11 @@ from drmas.stages.contracts import (
 from drmas.stages.evaluate import evaluate
 from drmas.stages.iteration import Step, iteration_steps
 from drmas.stages.policies import init_policies
-from drmas.stages.rollout import rollout, run_length
+from drmas.stages.rollout import rollout
 from drmas.stages.track import RunSummary, eval_line, finish_run, log_iteration, log_question_sets, summary_line
 from drmas.stages.update import OptimizerStateLost, update
 from drmas.stages.warmstart import warmstart
+from drmas.tasks import run_length
 
 __all__ = ["IterationResult", "open_run", "ray_session", "rerun", "run_iteration", "train"]
 
@@ -308,13 +309,16 @@ def train(
 def rerun(
     config: DrmasConfig, store: Store, run_id: str, iteration: int, stage_name: str, cache_dir: Path | None = None
 ) -> IterationResult:
-    """Recompute ``stage_name`` of a checkpointed iteration from its stored inputs; the stages
-    after it in that iteration recompute only if their inputs changed (cache keys)."""
+    """Recompute ``stage_name`` (a stage of ``drmas.stages.iteration``, or one step of it:
+    ``update/WG``) of a checkpointed iteration from its stored inputs; the stages after it
+    in that iteration recompute only if their inputs changed (cache keys)."""
     experiment = config.experiment.name
-    if stage_name not in {step.stage for step in iteration_steps(config, iteration)}:
+    steps = iteration_steps(config, iteration)
+    if stage_name not in {step.stage for step in steps} | {step.name for step in steps}:
         raise ValueError(
             f"iteration {iteration} has no stage {stage_name!r}; its stages: "
-            f"{', '.join(dict.fromkeys(step.stage for step in iteration_steps(config, iteration)))}"
+            f"{', '.join(dict.fromkeys(step.stage for step in steps))} "
+            f"(or one step: {', '.join(step.name for step in steps)})"
         )
     if not store.exists(stage_path(experiment, run_id, iteration, "checkpoint")):
         raise ValueError(f"run {run_id} has no checkpoint for iteration {iteration}: nothing to rerun")

@@ -58,7 +58,7 @@ def compare(
     """Train every (mode, seed), then write the comparison report; returns the runs and the
     report's URI in the store."""
     from drmas.runner import open_run, ray_session, train  # noqa: PLC0415 - the runner pulls in Ray
-    from drmas.stages.rollout import run_length  # noqa: PLC0415
+    from drmas.tasks import run_length  # noqa: PLC0415
 
     runs: list[ComparisonRun] = []
     base = run_length(load_config(config_path, overrides))  # the report names the runs' length

@@ -20,13 +20,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from drmas.config import ConfigError, DrmasConfig, SamplingConfig
+from drmas.config import DrmasConfig, SamplingConfig
 from drmas.generation.workers import GenerationResult, PolicyRef
 from drmas.infra.layout import StageResult, stage_path
 from drmas.infra.schema import TRAJECTORY_SCHEMA
 from drmas.infra.store import Store
 from drmas.registry import load_orchestra, task_for
-from drmas.tasks import DataError, Question, Split, Tools
+from drmas.tasks import Question, Split, Tools
 from drmas.team.agents import Parsed
 from drmas.team.episodes import Call, Episode, episodes_to_table
 
@@ -36,7 +36,6 @@ __all__ = [
     "agent_call_metrics",
     "draw_questions",
     "rollout",
-    "run_length",
     "task_questions",
     "task_tools",
 ]
@@ -101,19 +100,6 @@ def task_questions(config: DrmasConfig, split: Split) -> list[Question]:
 def task_tools(config: DrmasConfig, store: Store) -> Tools:
     """The task's environment tools (search: a BM25 retriever, cached in the store)."""
     return task_for(config).tools(config, store)
-
-
-def run_length(config: DrmasConfig) -> DrmasConfig:
-    """``config`` with ``experiment.epochs`` resolved into iterations against its training
-    set (read here: ``DrmasConfig.with_epochs_resolved``); unchanged without epochs. A
-    training set that cannot be read is a ConfigError naming the field and the file."""
-    if config.experiment.epochs is None:
-        return config
-    try:
-        questions = task_questions(config, "train")
-    except DataError as error:
-        raise ConfigError([f"experiment.epochs: cannot count the training set: {error}"]) from None
-    return config.with_epochs_resolved(len(questions))
 
 
 def draw_questions(questions: list[Question], count: int, iteration: int, seed: int) -> list[Question]:

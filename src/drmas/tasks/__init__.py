@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from drmas.config import DrmasConfig
     from drmas.infra.store import Store
 
-__all__ = ["DataError", "Demonstrations", "Question", "Split", "Task", "Tools"]
+__all__ = ["DataError", "Demonstrations", "Question", "Split", "Task", "Tools", "run_length"]
 
 Split = Literal["train", "eval"]
 Demonstrations = dict[str, list[tuple[str, str]]]
@@ -66,3 +66,20 @@ class Task(Protocol):
 
     def reward(self, final_answer: str | None, question: Question) -> float:
         """The reward of an episode's final answer (None: the team never answered)."""
+
+
+def run_length(config: DrmasConfig) -> DrmasConfig:
+    """``config`` with ``experiment.epochs`` resolved into iterations against its training
+    set (read here, with the config's task: ``DrmasConfig.with_epochs_resolved``); unchanged
+    without epochs. A training set that cannot be read is a ConfigError naming the field
+    and the file."""
+    from drmas.config import ConfigError  # noqa: PLC0415 - the config imports the registry, which loads tasks
+    from drmas.registry import task_for  # noqa: PLC0415
+
+    if config.experiment.epochs is None:
+        return config
+    try:
+        questions = task_for(config).questions(config, "train")
+    except DataError as error:
+        raise ConfigError([f"experiment.epochs: cannot count the training set: {error}"]) from None
+    return config.with_epochs_resolved(len(questions))

@@ -23,12 +23,13 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TextIO
 
 from drmas.config import DrmasConfig
 from drmas.generation.pool import RAY_ADDRESS, ray_session
+from drmas_kfp.pipelines.argo import argo_parallelism
 
 __all__ = ["DEFAULT_ROOT", "TaskLog", "run_local", "shared_ray"]
 
@@ -42,8 +43,11 @@ def run_local(
     config: DrmasConfig,
     pipeline_root: str | Path = DEFAULT_ROOT,
     log: TaskLog | None = None,
+    parallel: bool = False,
 ):
-    """Run ``pipeline_func`` with ``arguments``; returns its output artifact.
+    """Run ``pipeline_func`` with ``arguments``; returns its output artifact. ``parallel``:
+    every task whose dependencies are done starts at once, as Argo runs them on a cluster
+    (``pipelines.argo``); otherwise one at a time, as kfp.local does.
 
     Raises RuntimeError naming the task when one fails. Tasks whose caching is off (the
     forced ones) always execute; the others are skipped when kfp.local's cache holds a
@@ -53,7 +57,8 @@ def run_local(
     from kfp import local  # noqa: PLC0415
 
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(pipeline_root), enable_caching=True)
-    with warnings.catch_warnings(), shared_ray(config), _output_to(log):
+    scheduling = argo_parallelism() if parallel else nullcontext()
+    with warnings.catch_warnings(), shared_ray(config), _output_to(log), scheduling:
         # The subprocess runner does not use the drmas image, and resource requests apply on
         # Kubernetes only: kfp.local would say so for every task.
         warnings.filterwarnings("ignore", message=".*non-Python base image.*")
@@ -82,7 +87,9 @@ class TaskLog(io.TextIOBase):
         self._file = path.open("w", encoding="utf-8")
         self._partial = ""
         self._task: str | None = None
-        self._started = 0.0
+        """The task started last: the output lines are its (with tasks run in parallel,
+        of one of the running ones)."""
+        self._started: dict[str, float] = {}
         self._stages: list[str] = []
         self._tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.tasks: dict[str, str] = {}
@@ -109,13 +116,14 @@ class TaskLog(io.TextIOBase):
 
     def _line(self, line: str) -> None:
         if started := STARTED.search(line):
-            self._task, self._started = started.group(1), time.monotonic()
+            self._task = started.group(1)
+            self._started[self._task] = time.monotonic()
             self._stages, self._tail = [], deque(maxlen=TAIL_LINES)
         elif hit := CACHE_HIT.search(line):
             self._say(hit.group(1), "cache hit", "cache hit")
         elif finished := FINISHED.search(line):
             name, ok = finished.group(1), finished.group(2) == "SUCCESS"
-            took = f"in {time.monotonic() - self._started:.1f} s"
+            took = f"in {time.monotonic() - self._started.pop(name, time.monotonic()):.1f} s"
             done = f" ({'; '.join(self._stages)})" if self._stages else ""
             self._say(name, "executed" if ok else "failed", f"executed {took}{done}" if ok else f"FAILED {took}")
             if not ok:

@@ -1,0 +1,84 @@
+"""A compiled pipeline run as Argo runs it on a cluster (every task whose dependencies are
+done starts at once, each in its own process: ``drmas run --via kfp-local --parallel``)
+gives the results of a sequential kfp.local run, byte for byte, and no two tasks that use
+the run's pool ever run at the same time: the pipeline's edges order them
+(``drmas.stages.iteration.pool_edges``)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from pathlib import Path
+
+import pytest
+from helpers import TINY_OVERRIDES
+from test_pipelines import LOG_MARK, via_kfp_local
+
+SETTINGS = [
+    *TINY_OVERRIDES,
+    "experiment.iterations=3",
+    "eval.every=1",
+    "eval.max_questions=2",
+    "eval.k=2",
+    "warmstart.steps=0",
+]
+"""The tiny math team, 3 iterations, an evaluation before training and after each."""
+
+POOL_TASKS = re.compile(r"(rollout|update|evaluate)(-\d+)?")
+LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - \w+ - (.*)$")
+STARTED = re.compile(r"Executing task '([\w.-]+)'")
+FINISHED = re.compile(r"Task '([\w.-]+)' finished with status (\w+)")
+
+
+def task_intervals(log: str) -> dict[str, tuple[datetime.datetime, datetime.datetime]]:
+    """Task -> (started, finished) from kfp.local's log (its records are timestamped)."""
+    started: dict[str, datetime.datetime] = {}
+    intervals = {}
+    for line in log.splitlines():
+        if not (record := LINE.match(line)):
+            continue
+        when = datetime.datetime.strptime(record.group(1), "%Y-%m-%d %H:%M:%S,%f")
+        if found := STARTED.search(record.group(2)):
+            started[found.group(1)] = when
+        elif found := FINISHED.search(record.group(2)):
+            assert found.group(2) == "SUCCESS", line
+            intervals[found.group(1)] = (started.pop(found.group(1)), when)
+    return intervals
+
+
+def stored_results(runs: Path) -> dict[str, dict[str, str]]:
+    """Artifact -> {file: sha256} of every stage output of the run, from the manifests;
+    the timings (metrics.json), the run's record (it names the store) and the report aside."""
+    results = {}
+    for manifest in sorted(runs.rglob("_MANIFEST.json")):
+        artifact = manifest.parent.relative_to(runs).as_posix()
+        if artifact.endswith(("/run", "/report")):
+            continue
+        files = json.loads(manifest.read_text())["files"]
+        results[artifact] = {entry["name"]: entry["sha256"] for entry in files if entry["name"] != "metrics.json"}
+    return results
+
+
+@pytest.mark.slow
+def test_a_run_as_argo_runs_it_equals_a_sequential_one_and_never_shares_the_pool(tmp_path):
+    (tmp_path / "sequential").mkdir()
+    (tmp_path / "parallel").mkdir()
+    sequential = via_kfp_local(tmp_path / "sequential", SETTINGS, "--run-id", "k")
+    parallel = via_kfp_local(tmp_path / "parallel", SETTINGS, "--run-id", "k", "--parallel")
+    expected = stored_results(tmp_path / "sequential" / "runs")
+    assert sum(name.endswith("/checkpoint") for name in expected) == 3
+    assert sum("evaluate" in name for name in expected) == 4  # before training, after each iteration
+    assert stored_results(tmp_path / "parallel" / "runs") == expected
+
+    intervals = task_intervals(parallel.split(LOG_MARK, 1)[1])
+    pool_users = sorted((span, name) for name, span in intervals.items() if POOL_TASKS.fullmatch(name))
+    assert len(pool_users) == 3 + 3 * 2 + 4  # rollouts, two updates each, evaluations
+    for (before, first), (after, second) in zip(pool_users[:-1], pool_users[1:], strict=True):
+        assert after[0] >= before[1], f"{second} started before {first} had finished: both on the pool"
+    # The parallel run did run independent tasks at once (the MLflow steps beside the stages).
+    spans = sorted(intervals.values())
+    assert any(later[0] < earlier[1] for earlier, later in zip(spans[:-1], spans[1:], strict=True)), (
+        "nothing ran in parallel"
+    )
+    assert sequential.count("Executing task") == parallel.count("Executing task")
