@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from drmas.config import load_config
-from drmas.generation.pool import RayPool, ray_session
+from drmas.generation.pool import RayPool
+from drmas.generation.ray_session import ray_session
 from drmas.infra.store import Store
 from drmas.stages.policies import init_policies
 from drmas.stages.rollout import rollout

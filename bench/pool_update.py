@@ -31,7 +31,8 @@ import pyarrow as pa
 import ray
 
 from drmas.config import load_config
-from drmas.generation.pool import RayPool, connect_ray
+from drmas.generation.pool import RayPool
+from drmas.generation.ray_session import connect_ray
 from drmas.infra.layout import PolicyRef, optim_path, policy_path, stage_path
 from drmas.infra.schema import BATCH_SCHEMA
 from drmas.infra.store import Store

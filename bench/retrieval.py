@@ -26,7 +26,8 @@ import bm25s
 import Stemmer
 from bm25s.stopwords import STOPWORDS_EN
 
-from drmas.tasks.search import TOKEN_PATTERN, Passage, Retriever, Tokenization
+from drmas.tasks.search import TOKEN_PATTERN, Retriever, Tokenization
+from drmas.team.orchestras import Passage
 
 ONSETS = ("b", "br", "d", "dr", "f", "g", "gr", "k", "kl", "l", "m", "n", "p", "pl", "r", "s", "st", "t", "tr", "v")
 VOWELS = ("a", "e", "i", "o", "u")

@@ -16,6 +16,7 @@ nested DAGs, conditions or loops goes through kfp.local's enhanced orchestrator 
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -101,12 +102,17 @@ def _run_dag_as_argo(
 
 @contextmanager
 def argo_parallelism() -> Iterator[None]:
-    """Inside the block, kfp.local runs each flat DAG with Argo's scheduling."""
+    """Inside the block, kfp.local runs each flat DAG with Argo's scheduling.
+
+    kfp.local indents a task's prints by replacing ``builtins.print`` for the task's
+    duration (``logging_utils.indented_print``), which is not made for tasks that overlap:
+    their replacements and restorations interleave and can leave an indenting ``print``
+    behind. The one this block found is put back when it ends."""
     from kfp.local.orchestrator import dag_orchestrator  # noqa: PLC0415
 
-    sequential = dag_orchestrator.run_dag
+    sequential, printing = dag_orchestrator.run_dag, builtins.print
     dag_orchestrator.run_dag = _run_dag_as_argo
     try:
         yield
     finally:
-        dag_orchestrator.run_dag = sequential
+        dag_orchestrator.run_dag, builtins.print = sequential, printing

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TextIO
 
 from drmas.config import DrmasConfig
-from drmas.generation.pool import RAY_ADDRESS, ray_session
+from drmas.generation.ray_session import RAY_ADDRESS, ray_session
 from drmas_kfp.pipelines.argo import argo_parallelism
 
 __all__ = ["DEFAULT_ROOT", "TaskLog", "run_local", "shared_ray"]

@@ -81,7 +81,7 @@ def local_ray(tmp_path_factory: pytest.TempPathFactory):
     test: an idle local Ray takes ~5% of a core (its raylet, GCS, agents and idle workers),
     which over a whole session on two cores was a minute of CPU."""
     from drmas.config import DrmasConfig
-    from drmas.generation.pool import ray_session
+    from drmas.generation.ray_session import ray_session
 
     config = DrmasConfig.model_validate(
         {"agents": [{"name": "solver", "model": "m"}, {"name": "verifier", "model": "m"}]}

@@ -56,7 +56,7 @@ def stored_results(runs: Path) -> dict[str, dict[str, str]]:
         if artifact.endswith(("/run", "/report")):
             continue
         files = json.loads(manifest.read_text())["files"]
-        results[artifact] = {entry["name"]: entry["sha256"] for entry in files if entry["name"] != "metrics.json"}
+        results[artifact] = {name: entry["sha256"] for name, entry in files.items() if name != "metrics.json"}
     return results
 
 

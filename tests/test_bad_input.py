@@ -31,8 +31,7 @@ from test_orchestras import ScriptedPool
 
 from drmas.cli import main
 from drmas.config import load_config
-from drmas.generation.workers import PolicyRef
-from drmas.infra.layout import optim_path, policy_path, stage_path
+from drmas.infra.layout import PolicyRef, optim_path, policy_path, stage_path
 from drmas.infra.schema import TRAJECTORY_SCHEMA
 from drmas.infra.store import MANIFEST, CorruptArtifact, Store
 from drmas.models import PolicyError, load_model
@@ -184,7 +183,7 @@ def test_a_bad_eval_file_stops_drmas_eval_before_ray_starts(tmp_path, monkeypatc
     pq.write_table(pa.table({"question": ["a", "b"], "answer": ["1", "2"]}), data)
     data.write_bytes(data.read_bytes()[:-20])  # cut off the footer
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("drmas.generation.pool.connect_ray", refuse_ray)
+    monkeypatch.setattr("drmas.generation.ray_session.connect_ray", refuse_ray)
     status, err = drmas(capsys, "eval", MATH, "--run-id", RUN, f"data.eval={data}", f"store.root={tmp_path / 'runs'}")
     assert status == 1
     assert f"drmas eval: {data}: not a readable Parquet file" in err, err
@@ -329,7 +328,7 @@ def run_copy(local_trained_run: Path, tmp_path: Path, monkeypatch: pytest.Monkey
     before Ray starts."""
     shutil.copytree(local_trained_run, tmp_path / "runs")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("drmas.generation.pool.connect_ray", refuse_ray)
+    monkeypatch.setattr("drmas.generation.ray_session.connect_ray", refuse_ray)
     return Store(str(tmp_path / "runs"))
 
 

@@ -30,8 +30,7 @@ import drmas.stages.update as update_stage
 import drmas.training.batching as batching
 import drmas.training.engines as engines
 import drmas.training.loop as loop
-from drmas.generation.workers import PolicyRef
-from drmas.infra.layout import optim_path
+from drmas.infra.layout import PolicyRef, optim_path
 from drmas.stages.advantage import advantage
 
 ROOT = Path(__file__).parent.parent

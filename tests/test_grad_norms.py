@@ -62,7 +62,7 @@ import drmas.training.engines as E
 from drmas.config import DrmasConfig
 from drmas.infra.layout import optim_path
 from drmas.infra.store import Store
-from drmas.generation.workers import PolicyRef
+from drmas.infra.layout import PolicyRef
 
 config_for = E.deepspeed_config
 def small_params_partitioned(config, group, world):

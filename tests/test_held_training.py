@@ -27,7 +27,7 @@ def test_a_run_that_loses_its_pool_goes_back_to_its_last_stored_optimizer_state(
     import ray
 
     import drmas.runner as runner
-    from drmas.generation.pool import NAMESPACE, _run_workers
+    from drmas.generation.named_pool import NAMESPACE, run_workers
 
     config = load_config(
         ROOT / "configs" / "math_tiny.yaml",
@@ -50,7 +50,7 @@ def test_a_run_that_loses_its_pool_goes_back_to_its_last_stored_optimizer_state(
                 first_policy[group] = store.open(policy_path(experiment, run_id, 0, group)).read_bytes(
                     "model.safetensors"
                 )
-            for name in _run_workers(f"drmas.{experiment}.{run_id}"):
+            for name in run_workers(f"drmas.{experiment}.{run_id}"):
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=False)  # Ray restarts it, empty
         return real_update(config, store, run_id, i, wg, *args, **kwargs)
 

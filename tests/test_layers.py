@@ -24,10 +24,12 @@ STAGES_MAY_IMPORT = {
 
 ALLOWED: dict[str, set[str]] = {
     "algos": set(),
-    "config": {"registry"},  # task and orchestra names are checked when a config loads
-    # Names -> classes, imported by name at run time (its imports of config and tasks are
-    # for type checking only).
-    "registry": {"config", "tasks"},
+    "weights": set(),  # the weight-safety policy: a leaf
+    # The schema imports only the weight policy; loading a config checks and fills in what
+    # the task plugins say (config.loading -> registry).
+    "config": {"config", "registry", "weights"},
+    # Names -> classes, imported by name at run time: it imports no drmas module.
+    "registry": set(),
     "infra": {"config", "infra"},
     "models": {"config"},
     "model_import": {"config", "models"},  # `drmas import-gguf`: a GGUF file -> a policy folder
@@ -39,7 +41,8 @@ ALLOWED: dict[str, set[str]] = {
     "stages": STAGES_MAY_IMPORT,
     # `drmas compare` (analysis) runs runs.
     "runner": STAGES_MAY_IMPORT,
-    "analysis": {"config", "infra", "runner", "analysis", "tasks"},  # a comparison's length: the task's data
+    # A comparison's length comes from the task's data; it runs its runs in one Ray session.
+    "analysis": {"config", "infra", "runner", "analysis", "tasks", "generation.ray_session"},
     # The memory plan sizes the rollout with the SGLang engine's memory share.
     "planning": {"config", "generation.engines"},
     "cli": {"*"},
@@ -97,3 +100,87 @@ def test_the_checker_sees_a_crossing(tmp_path):
     module.write_text("def f():\n    from drmas.stages.rollout import rollout\n    import drmas_kfp.pipelines\n")
     assert _drmas_imports(module) == [(2, "stages.rollout"), (3, "drmas_kfp")]
     assert not _allowed("stages.rollout", ALLOWED["infra"]) and _allowed("infra.store", ALLOWED["team"])
+
+
+ROOT = SRC.parent
+TREES = {"drmas": SRC / "drmas", "drmas_kfp": SRC / "drmas_kfp", "drmas_kfp.components": ROOT / "components"}
+TREES["drmas_kfp.pipelines"] = ROOT / "pipelines"
+
+
+def module_files() -> dict[str, Path]:
+    """Every module of drmas and of the Kubeflow layer (installed names) -> its file."""
+    found = {}
+    for package, folder in TREES.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((package, *parts))
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the drmas modules it imports, at any depth of its code (function-local and
+    type-checking imports too: each is an edge a refactoring can turn into a real one)."""
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                candidates = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package if node.level else ""
+                stem = ".".join(part for part in (base, node.module or "") if part)
+                candidates = [
+                    f"{stem}.{alias.name}" if f"{stem}.{alias.name}" in files else stem for alias in node.names
+                ]
+            else:
+                continue
+            targets |= {target for target in candidates if target in files and target != name}
+        graph[name] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``: one per strongly connected component of more than one
+    module, as a path through it (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_itself_back():
+    """An import circle (a module that, through others, imports itself) means two modules
+    that cannot be understood, tested or moved apart: none is allowed, lazy imports included."""
+    assert cycles(import_graph(module_files())) == []
+
+
+def test_a_circle_is_found_lazy_or_not():
+    graph = {"drmas.a": {"drmas.b"}, "drmas.b": {"drmas.c"}, "drmas.c": {"drmas.a"}, "drmas.d": {"drmas.a"}}
+    assert cycles(graph) == [["drmas.a", "drmas.b", "drmas.c"]]
+    assert cycles({"drmas.a": {"drmas.b"}, "drmas.b": set()}) == []

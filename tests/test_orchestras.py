@@ -17,10 +17,10 @@ from drmas.config import load_config
 from drmas.generation.workers import GenerationResult
 from drmas.stages.rollout import build_team, draw_questions, play
 from drmas.tasks import Question
-from drmas.tasks.search import Passage, Retriever, SearchOrchestra
+from drmas.tasks.search import Retriever, SearchOrchestra
 from drmas.team.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent, find_tag
 from drmas.team.episodes import Episode
-from drmas.team.orchestras import Tools
+from drmas.team.orchestras import Passage, Tools
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 

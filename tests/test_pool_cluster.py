@@ -27,7 +27,8 @@ from pathlib import Path
 import ray, torch
 from safetensors.torch import load_file
 from drmas.config import load_config
-from drmas.generation.pool import RayPool, connect_ray
+from drmas.generation.pool import RayPool
+from drmas.generation.ray_session import connect_ray
 from drmas.infra.schema import TRAJECTORY_SCHEMA
 from drmas.infra.store import Store
 from drmas.stages.advantage import advantage
@@ -172,7 +173,8 @@ import json, os, signal, sys
 from pathlib import Path
 from safetensors.torch import load_file
 from drmas.config import load_config
-from drmas.generation.pool import RayPool, connect_ray
+from drmas.generation.pool import RayPool
+from drmas.generation.ray_session import connect_ray
 from drmas.infra.store import Store
 from drmas.stages.advantage import advantage
 from drmas.stages.policies import init_policies
@@ -236,7 +238,7 @@ def test_a_local_ray_runs_without_authentication_and_a_cluster_keeps_its_own(mon
     import ray
 
     from drmas.config import load_config
-    from drmas.generation import pool
+    from drmas.generation import ray_session as pool
 
     calls: list[tuple[dict, str | None]] = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)

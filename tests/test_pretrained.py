@@ -27,7 +27,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from drmas.config import ConfigError, ModelSpec, PolicyError, SamplingConfig, TaskConfig, load_config
-from drmas.generation.workers import GenerationResult, PolicyRef, WorkerGroupRuntime
+from drmas.generation.workers import GenerationResult, WorkerGroupRuntime
+from drmas.infra.layout import PolicyRef
 from drmas.infra.store import Store
 from drmas.models import build_scratch_policy, chat_prompt, load_model, load_tokenizer, takes_system_message
 from drmas.planning import PlanError, architecture_of

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from drmas.config import ConfigError, DrmasConfig, ModelSpec, SamplingConfig, load_config
-from drmas.generation.workers import PolicyRef, WorkerGroupRuntime, truncate_prompt
+from drmas.generation.workers import WorkerGroupRuntime, truncate_prompt
+from drmas.infra.layout import PolicyRef
 from drmas.infra.store import Store
 from drmas.models import build_scratch_policy, load_tokenizer
 from drmas.runner import open_run

@@ -67,7 +67,7 @@ def weights(tmp_path: Path, run: str) -> dict[str, bytes]:
 
 def test_kill_and_resume_equals_uninterrupted(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the working folder of the commands run in this process
-    monkeypatch.setattr("drmas.generation.pool.connect_ray", refuse_ray)  # they stop before Ray
+    monkeypatch.setattr("drmas.generation.ray_session.connect_ray", refuse_ray)  # they stop before Ray
     full = drmas_run(tmp_path, "--run-id", "full", "eval.every=2", "eval.max_questions=3", "eval.k=2")
     assert full.returncode == 0, full.stdout + full.stderr
     assert "iter 2:" in full.stdout and "before training: eval avg@2" in full.stdout

@@ -38,17 +38,17 @@ from drmas.infra.store import Store
 from drmas.stages.contracts import EvaluateContract, RolloutContract, cache_key
 from drmas.stages.rollout import rollout
 from drmas.tasks import DataError
-from drmas.tasks.retrieval_service import (
-    RetrievalClient,
-    RetrievalError,
-    RetrievalMismatch,
-    RetrievalServer,
-    RetrievalUnavailable,
-    load_passages,
-    main,
-    serve,
+from drmas.tasks.retrieval_client import RetrievalClient, RetrievalError, RetrievalMismatch, RetrievalUnavailable
+from drmas.tasks.retrieval_service import RetrievalServer, load_passages, main, serve
+from drmas.tasks.search import (
+    Retriever,
+    SearchTask,
+    Tokenization,
+    corpus_for,
+    generate_fact_world,
+    retrieval_client,
 )
-from drmas.tasks.search import Passage, Retriever, SearchTask, Tokenization, corpus_for, generate_fact_world
+from drmas.team.orchestras import Passage
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 3
@@ -414,7 +414,7 @@ def test_a_service_on_another_corpus_is_refused(service, tmp_path):
     other = write_corpus(tmp_path / "other.jsonl", generate_fact_world(SEED + 1, entities=5)[0])
     config = search_config(tmp_path, f"data.corpus={other}", f"task.retrieval_url={service.url}")
     with pytest.raises(RetrievalMismatch) as raised:
-        RetrievalClient.for_config(config).search(["capital"], 3)
+        retrieval_client(config).search(["capital"], 3)
     expected = Retriever.corpus_hash(generate_fact_world(SEED + 1, entities=5)[0])
     assert service.corpus_hash in str(raised.value) and expected in str(raised.value)
     assert service.url in str(raised.value)
@@ -426,10 +426,10 @@ def test_a_service_on_another_corpus_is_refused(service, tmp_path):
         f"task.retrieval_url={service.url}",
         f"task.retrieval_corpus_hash={service.corpus_hash}",
     )
-    assert RetrievalClient.for_config(pinned).search(["capital"], 1)[0]
+    assert retrieval_client(pinned).search(["capital"], 1)[0]
     wrong = pinned.model_copy(update={"task": pinned.task.model_copy(update={"retrieval_corpus_hash": "0" * 64})})
     with pytest.raises(RetrievalMismatch, match="0" * 64):
-        RetrievalClient.for_config(wrong).search(["capital"], 1)
+        retrieval_client(wrong).search(["capital"], 1)
 
 
 def test_a_service_tokenised_otherwise_is_refused_and_one_alike_is_used(passages, corpus_file, tmp_path):
@@ -440,13 +440,13 @@ def test_a_service_tokenised_otherwise_is_refused_and_one_alike_is_used(passages
     with running(serve(passages, Store(str(tmp_path / "service-store")), "127.0.0.1", 0, stemmed)) as server:
         plain = search_config(tmp_path, f"data.corpus={corpus_file}", f"task.retrieval_url={server.url}")
         with pytest.raises(RetrievalMismatch) as raised:
-            RetrievalClient.for_config(plain).search(["capital"], 3)
+            retrieval_client(plain).search(["capital"], 3)
         assert "'stemmer': 'english'" in str(raised.value) and "task.retrieval_stemmer" in str(raised.value)
         alike = search_config(
             tmp_path, f"data.corpus={corpus_file}", f"task.retrieval_url={server.url}", "task.retrieval_stemmer=english"
         )
         queries = ["capitals", "founding", "towns"]
-        served = RetrievalClient.for_config(alike).search(queries, 3)
+        served = retrieval_client(alike).search(queries, 3)
         assert served == Retriever.build(passages, stemmed).search(queries, 3)
         assert all(served) and Retriever.build(passages).search(queries, 3) == [[], [], []]
 

@@ -178,7 +178,7 @@ def test_an_actor_that_keeps_dying_fails_the_stage_cleanly(local_ray, tmp_path, 
 JOIN_AND_LEAVE = """
 import ray
 from drmas.config import DrmasConfig
-from drmas.generation.pool import connect_ray
+from drmas.generation.ray_session import connect_ray
 config = DrmasConfig.model_validate({"agents": [{"name": "solver", "model": "m"}, {"name": "verifier", "model": "m"}]})
 assert connect_ray(config)
 print(ray.get_runtime_context().gcs_address, ray.cluster_resources().get("pool_slot"))
@@ -222,7 +222,8 @@ import json, sys
 from pathlib import Path
 import ray
 from drmas.config import load_config
-from drmas.generation.pool import RayPool, connect_ray
+from drmas.generation.pool import RayPool
+from drmas.generation.ray_session import connect_ray
 from drmas.infra.store import Store
 config = load_config(sys.argv[1], ["ray.pool_resource=GPU", "ray.pool_size=2", "workers.sharing=none"])
 assert connect_ray(config, Path(sys.argv[2]))
@@ -274,7 +275,7 @@ def test_a_runs_pool_outlives_its_stage_and_frees_itself_when_idle(local_ray, tm
     lists them; past ``ray.idle_timeout_s`` without a call the pool frees itself, workers
     and placement group."""
     from drmas.cli import main
-    from drmas.generation.pool import pool_status
+    from drmas.generation.named_pool import pool_status
 
     config = load_config(CONFIGS / "math_tiny.yaml", [*SMALL, "ray.idle_timeout_s=4"])
     store = Store(str(tmp_path / "store"))
@@ -303,6 +304,6 @@ def test_a_runs_pool_outlives_its_stage_and_frees_itself_when_idle(local_ray, tm
     while pool_status("math-tiny", "idle") and time.monotonic() < deadline:
         time.sleep(0.5)
     assert pool_status("math-tiny", "idle") == []
-    from drmas.generation.pool import _named_placement_group
+    from drmas.generation.named_pool import named_placement_group
 
-    assert _named_placement_group("drmas.math-tiny.idle") is None
+    assert named_placement_group("drmas.math-tiny.idle") is None

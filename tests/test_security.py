@@ -47,8 +47,8 @@ from helpers import stored_rollout
 from test_bad_input import record_policy
 
 from drmas.config import ModelSpec, StoreConfig
-from drmas.generation.workers import PolicyRef, WorkerGroupRuntime
-from drmas.infra.layout import policy_path
+from drmas.generation.workers import WorkerGroupRuntime
+from drmas.infra.layout import PolicyRef, policy_path
 from drmas.infra.store import CorruptArtifact, Store
 from drmas.models import PolicyError, build_scratch_policy, chat_turn, load_model, load_tokenizer, train_tokenizer
 from drmas.stages.advantage import advantage
@@ -56,9 +56,10 @@ from drmas.stages.policies import AGENT_TAGS, init_policies
 from drmas.stages.update import update
 from drmas.tasks import Question
 from drmas.tasks.math import math_reward
-from drmas.tasks.search import INDEX_DIR, PASSAGES_FILE, Passage, Retriever, cached_retriever, exact_match
+from drmas.tasks.search import INDEX_DIR, PASSAGES_FILE, Retriever, cached_retriever, exact_match
 from drmas.team.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent
 from drmas.team.episodes import Episode
+from drmas.team.orchestras import Passage
 
 ROOT = Path(__file__).resolve().parents[1]
 MATH = str(ROOT / "configs" / "math_tiny.yaml")
@@ -539,7 +540,7 @@ def test_the_s3_server_listens_on_loopback_only(s3_server):
 RAY_PROBE = """
 import json, sys, psutil, ray
 from drmas.config import DrmasConfig
-from drmas.generation.pool import connect_ray
+from drmas.generation.ray_session import connect_ray
 config = DrmasConfig.model_validate({"agents": [{"name": "solver", "model": "m"}, {"name": "verifier", "model": "m"}]})
 connect_ray(config, __import__("pathlib").Path(sys.argv[1]))
 me = psutil.Process()

@@ -21,10 +21,10 @@ from drmas.generation.workers import GenerationResult
 from drmas.infra import store as store_module
 from drmas.infra.schema import TRAJECTORY_SCHEMA
 from drmas.infra.store import Store
-from drmas.registry import BUILTIN_TASKS, get_task, task_for
+from drmas.registry import BUILTIN_TASKS, get_task
 from drmas.stages.policies import tokenizer_corpus
 from drmas.stages.rollout import rollout, task_questions
-from drmas.tasks import DataError, Question, Task, files
+from drmas.tasks import DataError, Question, Task, files, task_for
 from drmas.tasks.files import read_questions
 from drmas.tasks.math import MathTask, load_math_questions
 from drmas.tasks.search import SearchTask, corpus_hash_for, iter_corpus, load_corpus, load_qa

@@ -457,7 +457,8 @@ from drmas.stages.advantage import advantage
 from drmas.infra.layout import optim_path
 import json
 from deepspeed.runtime.engine import DeepSpeedEngine
-from drmas.generation.workers import PolicyRef, WorkerGroupRuntime
+from drmas.generation.workers import WorkerGroupRuntime
+from drmas.infra.layout import PolicyRef
 from safetensors.torch import load_file
 config_for = E.deepspeed_config
 def small_params_partitioned(config, group, world):  # DeepSpeed keeps parameters this small whole otherwise

@@ -43,11 +43,8 @@ import argparse
 import logging
 import os
 import sys
-import types
 import typing
 from pathlib import Path
-
-from pydantic import BaseModel
 
 import drmas
 import drmas_kfp.cli as kubeflow
@@ -62,6 +59,7 @@ from drmas.cli_common import (
     with_run_length,
 )
 from drmas.config import ConfigError, DrmasConfig
+from drmas.config.docs import describe_fields
 from drmas.stages.iteration import ITERATION_STAGES
 
 if typing.TYPE_CHECKING:
@@ -242,7 +240,7 @@ def _stopping_errors() -> tuple[type[Exception], ...]:
     from drmas.generation.pool import WorkerGroupDied  # noqa: PLC0415
     from drmas.infra.store import StoreError  # noqa: PLC0415
     from drmas.infra.tracking import TrackingUnavailable  # noqa: PLC0415
-    from drmas.tasks.retrieval_service import RetrievalError  # noqa: PLC0415
+    from drmas.tasks.retrieval_client import RetrievalError  # noqa: PLC0415
 
     return StoreError, ValueError, TrackingUnavailable, WorkerGroupDied, RetrievalError
 
@@ -255,7 +253,7 @@ def _check_inputs(config: DrmasConfig) -> None:
 
     for split in ("train", "eval"):
         task_questions(config, split)
-    from drmas.registry import task_for  # noqa: PLC0415
+    from drmas.tasks import task_for  # noqa: PLC0415
 
     task_for(config).corpus(config)
 
@@ -404,9 +402,13 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     """Evaluate a checkpoint; results go to ``iter-I/evaluate-{hash of the eval settings}``."""
-    from drmas.generation.pool import RayPool, ray_session  # noqa: PLC0415
-    from drmas.generation.workers import PolicyRef  # noqa: PLC0415
-    from drmas.infra.layout import policy_path, stage_path  # noqa: PLC0415
+    from drmas.generation.pool import RayPool  # noqa: PLC0415
+    from drmas.generation.ray_session import ray_session  # noqa: PLC0415
+    from drmas.infra.layout import (  # noqa: PLC0415
+        PolicyRef,
+        policy_path,
+        stage_path,
+    )
     from drmas.infra.store import Store  # noqa: PLC0415
     from drmas.stages.contracts import settings_label  # noqa: PLC0415
     from drmas.stages.evaluate import evaluate  # noqa: PLC0415
@@ -454,7 +456,7 @@ def _pool(args: argparse.Namespace) -> int:
         return fail("pool", "no Ray cluster to ask: pass --address or set RAY_ADDRESS", 2)
     import ray  # noqa: PLC0415
 
-    from drmas.generation.pool import free_pool, pool_status  # noqa: PLC0415
+    from drmas.generation.named_pool import free_pool, pool_status  # noqa: PLC0415
 
     try:
         ray.init(address=address, log_to_driver=False, configure_logging=False)
@@ -502,51 +504,6 @@ def _plan(args: argparse.Namespace) -> int:
         return fail("plan", error, 2)
     print(json.dumps(plan.to_dict(), indent=2) if args.output == "json" else plan.text())
     return 1 if plan.fits is False else 0
-
-
-def describe_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """One line per field, 'section.field (type, default): docstring', recursively."""
-    lines = []
-    for name, field in model.model_fields.items():
-        path = f"{prefix}{name}"
-        nested = _section_type(field.annotation)
-        if nested is not None:
-            lines.append(f"{path}: {field.description or ''}")
-            lines += describe_fields(nested, prefix=f"{path}{_container_suffix(field)}.")
-            continue
-        default = "required" if field.is_required() else f"default {field.get_default(call_default_factory=True)!r}"
-        lines.append(
-            f"{path} ({_type_name(field.annotation)}, {default}): {(field.description or '').replace(chr(10), ' ')}"
-        )
-    return lines
-
-
-def _type_name(annotation: typing.Any) -> str:
-    """A field's type as the user writes its value: a Literal as its allowed values
-    ('none' | 'by_model'), so that the docs say what the field takes."""
-    origin = typing.get_origin(annotation)
-    if origin is typing.Literal:
-        return " | ".join(repr(value) for value in typing.get_args(annotation))
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(option) for option in typing.get_args(annotation))
-    if annotation is type(None):
-        return "None"
-    if isinstance(annotation, type):
-        return annotation.__name__
-    return str(annotation).replace("typing.", "")  # a generic: dict[str, list[str]]
-
-
-def _section_type(annotation: typing.Any) -> type[BaseModel] | None:
-    for candidate in (annotation, *typing.get_args(annotation)):
-        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-            return candidate
-    return None
-
-
-def _container_suffix(field: typing.Any) -> str:
-    """'[]' for a list of sections, '.<name>' for a mapping of them."""
-    origin = typing.get_origin(field.annotation)
-    return "[]" if origin is list else ".<name>" if origin is dict else ""
 
 
 if __name__ == "__main__":

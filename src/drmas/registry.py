@@ -11,13 +11,9 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from drmas.config import DrmasConfig
-    from drmas.tasks import Task
-
-__all__ = ["BUILTIN_ORCHESTRAS", "BUILTIN_TASKS", "get_task", "load_orchestra", "orchestra_agents", "task_for"]
+__all__ = ["BUILTIN_ORCHESTRAS", "BUILTIN_TASKS", "get_task", "load_orchestra", "orchestra_agents"]
 
 BUILTIN_TASKS: dict[str, str] = {
     "math": "drmas.tasks.math:MathTask",  # Solver <-> Verifier on arithmetic, GSM8K, MATH, DAPO
@@ -47,14 +43,10 @@ def _load(kind: str, name: str, builtin: dict[str, str], shape: str) -> Any:
 
 
 @functools.cache
-def get_task(name: str) -> Task:
-    """The task that ``name`` names (instantiated once: tasks hold no state)."""
+def get_task(name: str) -> Any:
+    """The task that ``name`` names (instantiated once: tasks hold no state), a
+    ``drmas.tasks.Task``; ``drmas.tasks.task_for`` gives it typed for a config."""
     return _load("task", name, BUILTIN_TASKS, "a class implementing drmas.tasks.Task")()
-
-
-def task_for(config: DrmasConfig) -> Task:
-    """The task that ``config.task.name`` names."""
-    return get_task(config.task.name)
 
 
 def load_orchestra(name: str) -> Any:

@@ -19,11 +19,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from drmas.config import ConfigError, DrmasConfig
-from drmas.generation.pool import PoolOnDemand, ray_session
-from drmas.generation.workers import PolicyRef
+from drmas.config import ConfigError, DrmasConfig, resolve
+from drmas.generation.pool import PoolOnDemand
 from drmas.infra.layout import (
     METRICS_FILE,
+    PolicyRef,
     StageResult,
     init_home,
     iteration_path,
@@ -56,7 +56,7 @@ from drmas.stages.update import OptimizerStateLost, update
 from drmas.stages.warmstart import warmstart
 from drmas.tasks import run_length
 
-__all__ = ["IterationResult", "open_run", "ray_session", "rerun", "run_iteration", "train"]
+__all__ = ["IterationResult", "open_run", "rerun", "run_iteration", "train"]
 
 log = logging.getLogger("drmas")
 
@@ -89,7 +89,8 @@ def open_run(config: DrmasConfig, store: Store, run_id: str, resume: bool) -> Dr
         return config
     if not resume:
         raise ConfigError([f"run {run_id!r} already exists at {store.uri(path)}; pass --resume to continue it"])
-    recorded = DrmasConfig.from_json(store.open(path).read_bytes("config.json").decode())
+    # A run recorded before the task's defaults were written into its config gets them now.
+    recorded = resolve(DrmasConfig.from_json(store.open(path).read_bytes("config.json").decode()))
     theirs = recorded.flat_params()
     ours = config.flat_params()
     changed = sorted(

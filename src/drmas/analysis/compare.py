@@ -57,7 +57,8 @@ def compare(
 ) -> tuple[list[ComparisonRun], str]:
     """Train every (mode, seed), then write the comparison report; returns the runs and the
     report's URI in the store."""
-    from drmas.runner import open_run, ray_session, train  # noqa: PLC0415 - the runner pulls in Ray
+    from drmas.generation.ray_session import ray_session  # noqa: PLC0415 - Ray only when comparing
+    from drmas.runner import open_run, train  # noqa: PLC0415 - the runner pulls in Ray
     from drmas.tasks import run_length  # noqa: PLC0415
 
     runs: list[ComparisonRun] = []

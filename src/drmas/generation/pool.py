@@ -38,218 +38,35 @@ writes nothing.
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from drmas.config import DrmasConfig, SamplingConfig
-from drmas.generation.workers import GenerationResult, PolicyNotLoaded, PolicyRef, WorkerGroupRuntime
+from drmas.generation.named_pool import NAMESPACE, free_pool, named_placement_group, pool_name, run_workers, worker_name
+from drmas.generation.ray_session import ray_session, slot_request
+from drmas.generation.workers import GenerationResult, PolicyNotLoaded, WorkerGroupRuntime
 from drmas.infra.cpus import cpu_threads
+from drmas.infra.layout import PolicyRef
 from drmas.infra.store import Store
 
-__all__ = [
-    "ACTOR_RESTARTS",
-    "NAMESPACE",
-    "RAY_ADDRESS",
-    "PoolOnDemand",
-    "RayPool",
-    "WorkerGroupDied",
-    "connect_ray",
-    "free_pool",
-    "pool_status",
-    "ray_session",
-    "slot_request",
-]
+__all__ = ["ACTOR_RESTARTS", "PoolOnDemand", "RayPool", "WorkerGroupDied"]
 
 log = logging.getLogger("drmas")
-RAY_ADDRESS = "RAY_ADDRESS"
-"""The environment variable naming a Ray to join (Ray's own convention)."""
 ACTOR_RESTARTS = 3
 """How many times, per pool, a dead worker-group actor is restarted before a stage fails."""
 ACTOR_RESTART_TIMEOUT_S = 120.0
 """How long to wait for Ray to bring a dead actor back (it reloads torch and the model)."""
 COLLECTIVE_TIMEOUT_S = 600.0
 """How long a rank of an update waits for the others in a collective before failing."""
-NAMESPACE = "drmas"
-"""The Ray namespace of every run's named pool workers."""
-
-RAY_ENV = {
-    "RAY_USAGE_STATS_ENABLED": "0",
-    # Ray starts workers at nice 15; the generating actors ARE the work, not background.
-    "RAY_worker_niceness": "0",
-}
-LOCAL_AUTH = ("RAY_AUTH_MODE", "disabled")
-"""A local Ray's authentication (off); a cluster's is left to its settings."""
-LOOPBACK_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-"""Set to 0, a local Ray binds every server to 127.0.0.1 (Ray reads it when imported)."""
 
 
 class WorkerGroupDied(RuntimeError):
     """A worker group's actor died more often than ``ACTOR_RESTARTS`` allows."""
-
-
-def connect_ray(config: DrmasConfig, temp_dir: Path | None = None) -> bool:
-    """Join ``ray.address`` (else ``RAY_ADDRESS``, as ``ray.init`` reads it: how kfp-local's
-    tasks share one Ray) or start a local Ray with the pool resource; True if this call
-    connected. ``ray_session`` pairs it with the ``ray.shutdown()`` that leaves it.
-    """
-    for key, value in RAY_ENV.items():
-        os.environ.setdefault(key, value)
-    address = config.ray.address or os.environ.get(RAY_ADDRESS)
-    if not config.ray.address:
-        # A Ray of this machine, on loopback only: no token to hand around. A cluster's
-        # authentication is the cluster's (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN from the
-        # drmas-ray-token Secret on the pods that drive the pool).
-        os.environ.setdefault(LOOPBACK_ONLY, "0")
-        os.environ.setdefault(LOCAL_AUTH[0], LOCAL_AUTH[1])
-    import ray  # noqa: PLC0415
-
-    if ray.is_initialized():
-        return False
-    if address:
-        ray.init(address=address, log_to_driver=False)
-        return True
-    _keep_local_ray_on_loopback()
-    temp = _ray_temp_dir(temp_dir)
-    temp.mkdir(parents=True, exist_ok=True)
-    ray.init(
-        **slot_request(config.ray.pool_resource, config.ray.pool_size, node=True),
-        include_dashboard=False,
-        _temp_dir=str(temp),
-        log_to_driver=False,
-        configure_logging=False,
-    )
-    return True
-
-
-@contextmanager
-def ray_session(config: DrmasConfig, temp_dir: Path | None = None) -> Iterator[None]:
-    """Ray for a block (``connect_ray``), left by ``ray.shutdown()`` only when this call
-    connected: that stops a local Ray it started and leaves a cluster running (never
-    ``ray stop``)."""
-    started = connect_ray(config, temp_dir)
-    try:
-        yield
-    finally:
-        if started:
-            import ray  # noqa: PLC0415
-
-            ray.shutdown()
-
-
-def slot_request(resource: str, amount: float, node: bool = False) -> dict[str, Any]:
-    """How to ask Ray for ``amount`` of the pool's resource: GPUs through ``num_gpus`` (Ray
-    refuses 'GPU' among custom ``resources``: "Use the 'num_cpus' and 'num_gpus' keyword"),
-    any other name as a custom resource. ``node``: for ``ray.init`` of a local node, whose
-    ``num_gpus`` is a whole count."""
-    if resource == "GPU":
-        return {"num_gpus": int(amount) if node else amount}
-    return {"resources": {resource: amount}}
-
-
-def _keep_local_ray_on_loopback() -> None:
-    """Ray read ``LOOPBACK_ONLY`` when first imported, which may have been before
-    ``connect_ray`` set it (a test, a notebook): apply it to the constant it was read into."""
-    from ray._private import ray_constants  # noqa: PLC0415
-
-    if os.environ.get(LOOPBACK_ONLY) == "0":
-        ray_constants.ENABLE_RAY_CLUSTER = False
-
-
-def _ray_temp_dir(preferred: Path | None) -> Path:
-    """Ray's session folder holds Unix sockets, whose paths may not exceed 107 bytes: use
-    the preferred folder when it is short enough, else a short one under the system temp."""
-    if preferred is not None and len(str(Path(preferred).resolve())) <= 40:
-        return Path(preferred).resolve()
-    return Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / f"drmas-ray-{os.getuid()}"
-
-
-class _RemovedWithItsPlacementGroup(logging.Filter):
-    """Ray warns that a restartable detached actor in a placement group dies with the
-    group: for a run's pool workers that is the point (``free_pool`` removes both)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "restartable detached actor with a placement group" not in record.getMessage()
-
-
-logging.getLogger("ray.actor").addFilter(_RemovedWithItsPlacementGroup())
-
-
-def pool_name(experiment: str, run_id: str) -> str:
-    """The name of a run's placement group, and the prefix of its workers' names."""
-    return f"drmas.{experiment}.{run_id}"
-
-
-def _worker_name(prefix: str, wg: str, slot: int) -> str:
-    return f"{prefix}.{wg}.slot{slot}"
-
-
-def _named_placement_group(name: str):
-    """The live placement group called ``name`` (looked up in the cluster's table: names
-    of placement groups are scoped to a namespace, and stage processes join with their own)."""
-    from ray._raylet import PlacementGroupID  # noqa: PLC0415
-    from ray.util.placement_group import PlacementGroup, placement_group_table  # noqa: PLC0415
-
-    for pg_id, entry in placement_group_table().items():
-        if entry.get("name") == name and entry.get("state") in ("CREATED", "PENDING", "RESCHEDULING"):
-            return PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id)))
-    return None
-
-
-def _run_workers(prefix: str) -> list[str]:
-    import ray  # noqa: PLC0415
-
-    return sorted(
-        entry["name"]
-        for entry in ray.util.list_named_actors(all_namespaces=True)
-        if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix + ".")
-    )
-
-
-def pool_status(experiment: str, run_id: str) -> list[dict[str, object]]:
-    """Each live worker of a run's pool: its name and what it holds (``drmas pool status``)."""
-    import ray  # noqa: PLC0415
-
-    found = []
-    for name in _run_workers(pool_name(experiment, run_id)):
-        try:
-            status = ray.get(ray.get_actor(name, namespace=NAMESPACE).status.remote(), timeout=30)
-        except (ValueError, ray.exceptions.RayError) as error:
-            status = {"error": type(error).__name__}
-        found.append({"worker": name, **status})
-    return found
-
-
-def free_pool(experiment: str, run_id: str, keep: object = None) -> int:
-    """Kill a run's pool workers and remove its placement group; returns how many workers
-    were killed. ``keep``: an actor handle to kill last (the caller itself)."""
-    import ray  # noqa: PLC0415
-    from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
-
-    prefix = pool_name(experiment, run_id)
-    killed = 0
-    for name in _run_workers(prefix):
-        try:
-            handle = ray.get_actor(name, namespace=NAMESPACE)
-        except ValueError:
-            continue  # gone meanwhile
-        if keep is not None and handle._actor_id == keep._actor_id:
-            continue
-        ray.kill(handle, no_restart=True)
-        killed += 1
-    placement = _named_placement_group(prefix)
-    if placement is not None:
-        remove_placement_group(placement)
-    if keep is not None:
-        ray.kill(keep, no_restart=True)
-        killed += 1
-    return killed
 
 
 class RayPool:
@@ -290,7 +107,7 @@ class RayPool:
         import ray  # noqa: PLC0415
         from ray.util.placement_group import placement_group  # noqa: PLC0415
 
-        placement = _named_placement_group(self.prefix) if self.run else None
+        placement = named_placement_group(self.prefix) if self.run else None
         if placement is None:
             bundles = [{self.config.ray.pool_resource: 1.0}] * self.config.ray.pool_size
             detached = "detached" if self.run else None
@@ -304,7 +121,7 @@ class RayPool:
         import ray  # noqa: PLC0415
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
 
-        name = _worker_name(self.prefix, wg, slot)
+        name = worker_name(self.prefix, wg, slot)
         if self.run:
             try:
                 return ray.get_actor(name, namespace=NAMESPACE)
@@ -474,7 +291,7 @@ class RayPool:
         self.resident.pop(wg, None)
         self.formed.discard(wg)
         deadline = time.monotonic() + ACTOR_RESTART_TIMEOUT_S
-        while self.run and any(_worker_name(self.prefix, wg, s) in _run_workers(self.prefix) for s in self.slots[wg]):
+        while self.run and any(worker_name(self.prefix, wg, s) in run_workers(self.prefix) for s in self.slots[wg]):
             if time.monotonic() > deadline:
                 raise WorkerGroupDied(f"worker group {wg!r}: its killed workers did not go away")
             time.sleep(0.1)  # a name is free again only once its actor is dead

@@ -34,13 +34,14 @@ from typing import TYPE_CHECKING, Any, Literal
 from drmas.config import PolicyError, SamplingConfig, StoreConfig, TemplateVariables
 from drmas.generation.engines import make_engine, request_seeds
 from drmas.generation.lora import ADAPTER_CONFIG, lora_base, merge_lora, read_adapter
+from drmas.generation.named_pool import free_pool
 from drmas.infra.layout import PolicyRef
 from drmas.infra.store import Artifact, Store
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GenerationResult", "PolicyNotLoaded", "PolicyRef", "WorkerGroupRuntime", "truncate_prompt"]
+__all__ = ["GenerationResult", "PolicyNotLoaded", "WorkerGroupRuntime", "truncate_prompt"]
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,6 @@ class WorkerGroupRuntime:
                 time.sleep(min(timeout_s / 4, 30.0))
                 if not self.busy and time.monotonic() - self.last_used > timeout_s:
                     import ray  # noqa: PLC0415
-
-                    from drmas.generation.pool import free_pool  # noqa: PLC0415 - the pool imports this module
 
                     free_pool(experiment, run_id, keep=ray.get_runtime_context().current_actor)
                     return

@@ -20,8 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from drmas.config import DrmasConfig
-from drmas.generation.workers import PolicyRef
-from drmas.infra.layout import StageResult
+from drmas.infra.layout import PolicyRef, StageResult
 from drmas.infra.store import Store
 from drmas.stages.checkpoint import check_policy
 from drmas.stages.rollout import GeneratePool, agent_call_metrics, build_team, play, task_questions, task_tools

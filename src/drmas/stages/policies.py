@@ -21,11 +21,12 @@ import tempfile
 from pathlib import Path
 
 from drmas.config import DrmasConfig, PolicyError, WorkerGroup
-from drmas.generation.workers import PolicyRef
+from drmas.infra.layout import PolicyRef
 from drmas.infra.store import Store
 from drmas.models import build_scratch_policy, chat_turn, load_model, load_tokenizer
-from drmas.registry import load_orchestra, task_for
+from drmas.registry import load_orchestra
 from drmas.stages.contracts import PoliciesContract, cache_key, starting_point_reusable
+from drmas.tasks import task_for
 from drmas.team.agents import Agent
 from drmas.team.episodes import Episode
 from drmas.team.prompts import PromptSetName

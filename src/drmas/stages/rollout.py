@@ -21,12 +21,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from drmas.config import DrmasConfig, SamplingConfig
-from drmas.generation.workers import GenerationResult, PolicyRef
-from drmas.infra.layout import StageResult, stage_path
+from drmas.generation.workers import GenerationResult
+from drmas.infra.layout import PolicyRef, StageResult, stage_path
 from drmas.infra.schema import TRAJECTORY_SCHEMA
 from drmas.infra.store import Store
-from drmas.registry import load_orchestra, task_for
-from drmas.tasks import Question, Split, Tools
+from drmas.registry import load_orchestra
+from drmas.tasks import Question, Split, Tools, task_for
 from drmas.team.agents import Parsed
 from drmas.team.episodes import Call, Episode, episodes_to_table
 

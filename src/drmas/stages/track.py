@@ -37,8 +37,8 @@ from drmas.infra.layout import (
     stage_path,
 )
 from drmas.infra.store import Store
-from drmas.registry import task_for
 from drmas.stages.contracts import EvaluateContract
+from drmas.tasks import task_for
 
 if TYPE_CHECKING:
     from drmas.infra.tracking import Tracker

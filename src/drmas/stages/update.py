@@ -54,8 +54,8 @@ import pyarrow.compute as pc
 
 from drmas.config import DrmasConfig, PolicyError, StoreConfig, WorkerGroup
 from drmas.generation.pool import RayPool
-from drmas.generation.workers import PolicyRef, WorkerGroupRuntime
-from drmas.infra.layout import StageResult, optim_path, policy_path, split_iteration_path, stage_path
+from drmas.generation.workers import WorkerGroupRuntime
+from drmas.infra.layout import PolicyRef, StageResult, optim_path, policy_path, split_iteration_path, stage_path
 from drmas.infra.schema import BATCH_SCHEMA
 from drmas.infra.store import ArtifactNotFound, CorruptArtifact, Store
 

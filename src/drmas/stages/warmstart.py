@@ -32,13 +32,13 @@ import torch
 from tqdm.auto import tqdm
 
 from drmas.config import DrmasConfig
-from drmas.generation.workers import PolicyRef, truncate_prompt
+from drmas.generation.workers import truncate_prompt
 from drmas.infra.cpus import cpu_threads
+from drmas.infra.layout import PolicyRef
 from drmas.infra.store import Store
 from drmas.models import chat_prompt, load_model, load_tokenizer
-from drmas.registry import task_for
 from drmas.stages.contracts import WarmstartContract, cache_key, starting_point_reusable
-from drmas.tasks import Demonstrations
+from drmas.tasks import Demonstrations, task_for
 from drmas.training.batching import collate, token_logprobs
 
 __all__ = ["warmstart"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
+from drmas.registry import get_task
 from drmas.team.episodes import Question
 from drmas.team.orchestras import Tools
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from drmas.config import DrmasConfig
     from drmas.infra.store import Store
 
-__all__ = ["DataError", "Demonstrations", "Question", "Split", "Task", "Tools", "run_length"]
+__all__ = ["DataError", "Demonstrations", "Question", "Split", "Task", "Tools", "run_length", "task_for"]
 
 Split = Literal["train", "eval"]
 Demonstrations = dict[str, list[tuple[str, str]]]
@@ -68,13 +69,17 @@ class Task(Protocol):
         """The reward of an episode's final answer (None: the team never answered)."""
 
 
+def task_for(config: DrmasConfig) -> Task:
+    """The task that ``config.task.name`` names (``drmas.registry``)."""
+    return get_task(config.task.name)
+
+
 def run_length(config: DrmasConfig) -> DrmasConfig:
     """``config`` with ``experiment.epochs`` resolved into iterations against its training
     set (read here, with the config's task: ``DrmasConfig.with_epochs_resolved``); unchanged
     without epochs. A training set that cannot be read is a ConfigError naming the field
     and the file."""
-    from drmas.config import ConfigError  # noqa: PLC0415 - the config imports the registry, which loads tasks
-    from drmas.registry import task_for  # noqa: PLC0415
+    from drmas.config import ConfigError  # noqa: PLC0415 - loading a config loads the tasks
 
     if config.experiment.epochs is None:
         return config

@@ -34,9 +34,9 @@ import re
 import string
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
 import bm25s
 import numpy as np
@@ -47,19 +47,18 @@ from drmas.config import TaskConfig
 from drmas.infra.store import Artifact, ArtifactExists, ArtifactWriter, CorruptArtifact, Store
 from drmas.tasks import DataError, Demonstrations, Question, Split, Tools
 from drmas.tasks.files import read_jsonl, read_questions
+from drmas.tasks.retrieval_client import RetrievalClient
 from drmas.team.agents import AnswerAgent, RouterAgent, SearchAgent, verifier_context
 from drmas.team.episodes import Episode
-from drmas.team.orchestras import Team, verdict_passes
+from drmas.team.orchestras import Passage, Searcher, Team, verdict_passes
 
 if TYPE_CHECKING:
     from drmas.config import DataConfig, DrmasConfig, StoreConfig
 
 __all__ = [
-    "Passage",
     "Retriever",
     "SearchOrchestra",
     "SearchTask",
-    "Searcher",
     "Tokenization",
     "cached_retriever",
     "corpus_for",
@@ -73,6 +72,7 @@ __all__ = [
     "load_corpus",
     "load_qa",
     "normalize_answer",
+    "retrieval_client",
     "search_demonstrations",
 ]
 
@@ -96,14 +96,6 @@ TOKEN_PATTERN = r"\w+"
 """Every word, a one-letter or one-digit word too (bm25s's default pattern drops those)."""
 _WORD = re.compile(TOKEN_PATTERN)
 _STOPWORDS = frozenset(STOPWORDS_EN)
-
-
-@dataclass(frozen=True)
-class Passage:
-    """One retrievable text with a stable id (the corpus file's id, or its line number)."""
-
-    pid: str
-    text: str
 
 
 @dataclass(frozen=True)
@@ -527,15 +519,6 @@ def exact_match(prediction: str | None, answers: Sequence[str]) -> float:
 # --------------------------------------------------------------------------------------
 
 
-class Searcher(Protocol):
-    """What the search orchestra and the warm start retrieve through: the in-process
-    ``Retriever``, or ``drmas.tasks.retrieval_service.RetrievalClient`` for a served one."""
-
-    def search(self, queries: list[str], k: int) -> list[list[Passage]]:
-        """The best ``k`` passages for each query, best first."""
-        ...
-
-
 class Retriever:
     """BM25 over a fixed list of passages.
 
@@ -747,6 +730,25 @@ def _demonstrated_answer(episode: Episode, rng: np.random.Generator, wrong_fract
 # --------------------------------------------------------------------------------------
 
 
+def retrieval_client(config: DrmasConfig) -> RetrievalClient:
+    """The client of ``task.retrieval_url`` with the config's timeout and retries, checking
+    that the service serves the corpus the config names, tokenised as it says
+    (``task.retrieval_corpus_hash`` if pinned)."""
+    task = config.task
+    if task.retrieval_url is None:
+        raise ValueError("task.retrieval_url is not set: the search task retrieves in process")
+    expected: str | Callable[[], str] = task.retrieval_corpus_hash or (
+        lambda: corpus_hash_for(config.data, config.experiment.seed, config.store, Tokenization.of(task))
+    )
+    return RetrievalClient(
+        task.retrieval_url,
+        timeout_s=task.retrieval_timeout_s,
+        retries=task.retrieval_retries,
+        backoff_s=task.retrieval_backoff_s,
+        expected_hash=expected,
+    )
+
+
 class SearchTask:
     """Questions answered from a corpus through BM25 search; reward exact match."""
 
@@ -761,9 +763,7 @@ class SearchTask:
         ``task.retrieval_url`` is set, a client of that retrieval service (checked on first
         use to serve the corpus this config names)."""
         if config.task.retrieval_url:
-            from drmas.tasks.retrieval_service import RetrievalClient  # noqa: PLC0415 (imports this module)
-
-            return Tools(retriever=RetrievalClient.for_config(config))
+            return Tools(retriever=retrieval_client(config))
         passages = corpus_for(config.data, config.experiment.seed, config.store)
         return Tools(retriever=cached_retriever(passages, store, Tokenization.of(config.task)))
 

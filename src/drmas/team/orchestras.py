@@ -37,7 +37,7 @@ docs/tasks.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from drmas.team.agents import Agent, Parsed
 from drmas.team.episodes import Episode
@@ -52,12 +52,30 @@ class Team(Protocol):
         """Call ``agent`` once for each episode, as one batched generate; record the calls."""
 
 
+@dataclass(frozen=True)
+class Passage:
+    """One retrievable text with a stable id (the corpus file's id, or its line number)."""
+
+    pid: str
+    text: str
+
+
+class Searcher(Protocol):
+    """What the search orchestra and the warm start retrieve through: the in-process
+    ``drmas.tasks.search.Retriever``, or ``drmas.tasks.retrieval_client.RetrievalClient``
+    for a served one."""
+
+    def search(self, queries: list[str], k: int) -> list[list[Passage]]:
+        """The best ``k`` passages for each query, best first."""
+        ...
+
+
 @dataclass
 class Tools:
     """Environment tools that a task builds (``Task.tools``) and its orchestras use: the
     search task's retriever."""
 
-    retriever: Any = None
+    retriever: Searcher | None = None
 
 
 class Orchestra(Protocol):

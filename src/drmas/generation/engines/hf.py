@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 )
 
 from drmas.config import SamplingConfig
-from drmas.generation.engines import Generation
+from drmas.generation.engines.base import Generation
 from drmas.models import load_model
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from drmas.config import SamplingConfig
-from drmas.generation.engines import Generation
+from drmas.generation.engines.base import Generation
 
 if TYPE_CHECKING:
     import torch

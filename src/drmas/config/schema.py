@@ -1,6 +1,10 @@
-"""One typed config for a drmas run: YAML in, overrides on the command line, JSON out.
+"""The schema of a drmas run's config: pydantic sections, their cross-field checks, and the
+resolved config's helpers (worker groups, sampling per agent, JSON). It imports nothing of
+drmas but the weight-safety policy (``drmas.weights``, a leaf): what depends on a task
+plugin (the task's default orchestra and data, whether the agents match the orchestra) is
+resolved and checked when a config is loaded (``drmas.config.loading``).
 
-    cfg = load_config("configs/math_tiny.yaml", ["algorithm.advantage=grpo", "agents.solver.lr=1e-5"])
+    cfg = load_config("configs/math_tiny.yaml", ["algorithm.advantage=grpo"])
     cfg.worker_groups()      # which agents share which model, with each group's settings
     cfg.to_json()            # the resolved config: the KFP parameter and the MLflow params
 
@@ -22,24 +26,48 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from drmas.registry import get_task, orchestra_agents
+from drmas.weights import local_model_problem
 
 __all__ = [
     "AgentConfig",
-    "LoraSpec",
+    "AlgorithmConfig",
+    "CHAT_TEMPLATE_ARGUMENTS",
+    "CheckpointConfig",
     "ConfigError",
+    "DEFAULT_ITERATIONS",
+    "DataConfig",
+    "DiagnosticsConfig",
     "DrmasConfig",
-    "PolicyError",
+    "EvalConfig",
+    "ExperimentConfig",
+    "Location",
+    "LoraSpec",
+    "ModelSpec",
+    "NAME_PATTERN",
+    "RESOLVED_BY",
+    "RayConfig",
+    "RolloutConfig",
+    "SAMPLING_FIELDS",
+    "SamplingConfig",
+    "Section",
+    "StoreConfig",
+    "TaskConfig",
     "TemplateVariables",
+    "TrackingConfig",
+    "TrainConfig",
+    "WORKER_GROUP_FIELDS",
+    "WarmstartConfig",
     "WorkerGroup",
-    "apply_overrides",
-    "load_config",
-    "local_model_problem",
-    "weights_problem",
+    "WorkersConfig",
+    "did_you_mean",
+    "dotted",
+    "explain",
+    "looks_local",
 ]
+
+RESOLVED_BY = "drmas.config.load_config (the task's defaults are filled in there)"
 
 DEFAULT_ITERATIONS = 10
 """A run's length when the config gives neither ``experiment.iterations`` nor ``epochs``."""
@@ -139,12 +167,6 @@ class TaskConfig(Section):
     Unset: compact when a model is built from scratch, else reference (set compact for a
     policy that an earlier run trained from scratch)."""
 
-    @field_validator("name")
-    @classmethod
-    def _known_task(cls, name: str) -> str:
-        get_task(name)  # a ValueError that lists the built-in names
-        return name
-
     @field_validator("retrieval_url")
     @classmethod
     def _retrieval_url_without_secrets(cls, value: str | None) -> str | None:
@@ -159,7 +181,11 @@ class TaskConfig(Section):
 
     @property
     def orchestra_name(self) -> str:
-        return self.orchestra or get_task(self.name).default_orchestra
+        """The orchestra: ``orchestra``, which loading the config fills with the task's
+        default (``drmas.config.loading.resolve``)."""
+        if self.orchestra is None:
+            raise ValueError(f"task.orchestra is not resolved: load the config with {RESOLVED_BY}")
+        return self.orchestra
 
 
 class DataConfig(Section):
@@ -282,11 +308,11 @@ class ModelSpec(Section):
 
     @model_validator(mode="after")
     def _buildable(self) -> ModelSpec:
-        if _looks_local(self.source):
+        if looks_local(self.source):
             problem = local_model_problem(Path(self.source).expanduser())
             if problem:
                 raise ValueError(f"source {self.source!r} {problem}")
-        hub_id = not (self.source == "scratch" or _looks_local(self.source) or "://" in self.source)
+        hub_id = not (self.source == "scratch" or looks_local(self.source) or "://" in self.source)
         if self.revision is not None and not hub_id:
             raise ValueError(f"revision {self.revision!r} pins a hub id; source {self.source!r} is not one")
         if self.source == "scratch":
@@ -643,36 +669,14 @@ class DrmasConfig(Section):
         return self.rollout.engine == "sglang" or bf16
 
     def _agent_problems(self) -> list[str]:
-        try:
-            expected = orchestra_agents(self.task.orchestra_name)
-        except ValueError as error:
-            return [f"task.orchestra: {error}"]
-        problems = []
+        """Agents named twice; whether they match the orchestra, and whether a model named by
+        a local folder is one, is checked when the config is loaded (``config.loading``)."""
         names = [agent.name for agent in self.agents]
-        for index, name in enumerate(names):
-            if names.index(name) != index:
-                problems.append(f"agents[{index}].name: agent {name!r} is listed twice")
-            elif name not in expected:
-                problems.append(
-                    f"agents[{index}].name: orchestra {self.task.orchestra_name!r} has no agent "
-                    f"{name!r}{_did_you_mean(name, expected)} (its agents: {', '.join(expected)})"
-                )
-        problems += [
-            f"agents: orchestra {self.task.orchestra_name!r} needs agent {name!r}, which is not configured"
-            for name in expected
-            if name not in names
+        return [
+            f"agents[{index}].name: agent {name!r} is listed twice"
+            for index, name in enumerate(names)
+            if names.index(name) != index
         ]
-        for index, agent in enumerate(self.agents):
-            if agent.model not in self.models and _looks_local(agent.model):
-                folder = Path(agent.model).expanduser()
-                if not folder.exists():
-                    problems.append(
-                        f"agents[{index}].model: {agent.model!r} is neither a key of models "
-                        f"({', '.join(self.models) or 'none defined'}) nor an existing folder"
-                    )
-                elif problem := local_model_problem(folder):
-                    problems.append(f"agents[{index}].model: {agent.model!r} {problem}")
-        return problems
 
     def _worker_group_problems(self) -> list[str]:
         try:
@@ -714,7 +718,7 @@ class DrmasConfig(Section):
         for wg, slots in self.ray.slots.items():
             if wg not in names:
                 problems.append(
-                    f"ray.slots: unknown worker group {wg!r}{_did_you_mean(wg, names)} "
+                    f"ray.slots: unknown worker group {wg!r}{did_you_mean(wg, names)} "
                     f"(worker groups: {', '.join(names)})"
                 )
             elif not slots:
@@ -748,7 +752,7 @@ class DrmasConfig(Section):
             for name in agent_names:
                 if name not in by_name:
                     problems.append(
-                        f"workers.groups.{wg_name}: unknown agent {name!r}{_did_you_mean(name, list(by_name))}"
+                        f"workers.groups.{wg_name}: unknown agent {name!r}{did_you_mean(name, list(by_name))}"
                     )
                 elif name in seen:
                     problems.append(f"workers.groups: agent {name!r} is in both {seen[name]!r} and {wg_name!r}")
@@ -875,7 +879,9 @@ class DrmasConfig(Section):
     def data_spec(self, split: Literal["train", "eval"]) -> str:
         """Where the ``split`` questions come from: the configured file or generated set."""
         spec = self.data.train if split == "train" else self.data.eval
-        return spec or get_task(self.task.name).default_data
+        if spec is None:
+            raise ValueError(f"data.{split} is not resolved: load the config with {RESOLVED_BY}")
+        return spec
 
     def agent_sampling(self, agent_name: str) -> SamplingConfig:
         """The rollout sampling of one agent: rollout.sampling with its overrides."""
@@ -892,7 +898,7 @@ class DrmasConfig(Section):
         try:
             return cls.model_validate_json(text)
         except ValidationError as error:
-            raise ConfigError(_explain(error)) from None
+            raise ConfigError(explain(error)) from None
 
     def flat_params(self) -> dict[str, str]:
         """'section.field' -> value as text, for MLflow params."""
@@ -924,179 +930,23 @@ class WorkerGroup:
 
 
 # --------------------------------------------------------------------------------------
-# Loading, overrides and error messages
+# Error messages
 # --------------------------------------------------------------------------------------
 
-
-def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> DrmasConfig:
-    """Read YAML (or start empty), apply ``a.b.c=value`` overrides, validate.
-
-    A problem in what an override set is reported under the override as it was typed
-    (``override agents.solver.lr: ...``), not under the resolved path in the file
-    (``agents[0].lr``): the user looks for it on the command line.
-    """
-    raw: dict[str, Any] = {}
-    if path is not None:
-        raw = _read_yaml(Path(path))
-    raw, targets = _apply_overrides(raw, overrides)
-    try:
-        return DrmasConfig.model_validate(raw)
-    except ValidationError as error:
-        problems = [_name_override(problem, targets) for problem in _explain(error)]
-        raise ConfigError(problems, _source(path, bool(targets), problems)) from None
-
-
-def _source(path: str | Path | None, overridden: bool, problems: list[str]) -> str:
-    """Where the problems are: the file, the overrides, or the file as overridden (a
-    problem of a section, such as two fields that disagree, may come from either)."""
-    if path is None or all(problem.startswith(OVERRIDE_PREFIX) for problem in problems):
-        return "overrides"
-    return f"{path} with overrides" if overridden else str(path)
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError([f"config file {path} does not exist"], str(path))
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
-        raise ConfigError([f"cannot parse YAML: {error}"], str(path)) from None
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise ConfigError([f"the top level must be a mapping, got {type(raw).__name__}"], str(path))
-    return raw
-
-
-def apply_overrides(raw: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a copy of ``raw``.
-
-    In a list, a path part is an index (``agents.0.lr``) or the ``name`` of an element
-    (``agents.solver.lr``). Missing mappings are created; validation then rejects keys
-    that do not exist, with a did-you-mean.
-    """
-    return _apply_overrides(raw, overrides)[0]
-
-
-OVERRIDE_PREFIX = "override "
-"""How a problem caused by an override starts: ``override KEY: ...``, KEY as typed."""
 
 Location = tuple[str | int, ...]
 """A path in the raw config, as pydantic reports it: ('agents', 0, 'lr')."""
 
 
-def _apply_overrides(
-    raw: dict[str, Any], overrides: typing.Iterable[str]
-) -> tuple[dict[str, Any], list[tuple[str, Location]]]:
-    """``apply_overrides``, and each override's key as typed with the location it set
-    (``agents.solver.lr`` -> ('agents', 0, 'lr')), to report problems under the key.
-
-    A problem names the override by its key, not its text: a value may hold a secret.
-    """
-    result = json.loads(json.dumps(raw))  # a deep copy with plain types
-    problems = []
-    targets = []
-    for override in overrides:
-        key, sep, text = override.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            problems.append(f"override {override!r} must look like section.field=value")
-            continue
-        try:
-            value = _parse_value(text)
-            targets.append((key, _set_path(result, key.split("."), value)))
-        except (yaml.YAMLError, ValueError) as error:
-            problems.append(f"{OVERRIDE_PREFIX}{key}: {error}")
-    if problems:
-        raise ConfigError(problems, "overrides")
-    return result, targets
-
-
-def _parse_value(text: str) -> Any:
-    """YAML, except that '1e-5' is a number (PyYAML's YAML 1.1 reads it as a string)."""
-    if not text.strip():
-        return None
-    value = yaml.safe_load(text)
-    if isinstance(value, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value.strip()):
-        return float(value)
-    return value
-
-
-def _set_path(node: Any, parts: list[str], value: Any) -> Location:
-    """Set ``value`` at ``parts`` and return the location it went to (list parts as indices)."""
-    location: list[str | int] = []
-    for depth, part in enumerate(parts):
-        last = depth == len(parts) - 1
-        where = ".".join(parts[: depth + 1])
-        if isinstance(node, list):
-            index = _list_index(node, part, where)
-            location.append(index)
-            if last:
-                node[index] = value
-            node = node[index]
-        elif isinstance(node, dict):
-            location.append(part)
-            if last:
-                node[part] = value
-            else:
-                node = node.setdefault(part, {})
-        else:
-            raise ValueError(f"{where} is inside a value, not a section")
-    return tuple(location)
-
-
-def _list_index(items: list[Any], part: str, where: str) -> int:
-    if part.isdigit() and int(part) < len(items):
-        return int(part)
-    labels = [
-        str(item.get("name", index)) if isinstance(item, dict) else str(index) for index, item in enumerate(items)
-    ]
-    if part in labels:
-        return labels.index(part)
-    listed = where.rpartition(".")[0] or where
-    raise ValueError(
-        f"{where}: no element with index or name {part!r} ({listed}: {', '.join(labels) or 'none'})"
-        f"{_did_you_mean(part, labels)}"
-    )
-
-
-def _name_override(problem: str, targets: list[tuple[str, Location]]) -> str:
-    """``problem`` under the override that caused it, if one did: the most specific (and
-    then the last) override whose location holds the problem's, or one whose path goes
-    through an unknown key. The problem's path is then spelled as the override's key."""
-    match = re.match(r"([A-Za-z0-9_.\-\[\]]+): (.*)", problem, re.DOTALL)
-    if match is None:
-        return problem
-    location = _location(match[1])
-    message = match[2]
-    unknown_key = message.startswith("unknown key")
-    causes = [
-        (len(target), order, key)
-        for order, (key, target) in enumerate(targets)
-        if location[: len(target)] == target or (unknown_key and target[: len(location)] == location)
-    ]
-    if not causes:
-        return problem
-    _, _, key = max(causes)
-    parts = key.split(".")
-    path = ".".join(parts[: len(location)]) + _dotted(location[len(parts) :], nested=True)
-    return f"{OVERRIDE_PREFIX}{key}: {message}" if path == key else f"{OVERRIDE_PREFIX}{key}: {path}: {message}"
-
-
-def _location(path: str) -> Location:
-    """'agents[0].lr' -> ('agents', 0, 'lr'): the inverse of ``_dotted``."""
-    return tuple(int(index) if index else name for index, name in re.findall(r"\[(\d+)\]|([^.\[\]]+)", path))
-
-
-def _explain(error: ValidationError) -> list[str]:
+def explain(error: ValidationError) -> list[str]:
     """One readable line per pydantic error, naming the field."""
     problems = []
     for item in error.errors():
         loc = item["loc"]
-        path = _dotted(loc)
+        path = dotted(loc)
         if item["type"] == "extra_forbidden":
             parent_fields = _fields_at(loc[:-1])
-            hint = _did_you_mean(str(loc[-1]), parent_fields)
+            hint = did_you_mean(str(loc[-1]), parent_fields)
             problems.append(f"{path}: unknown key{hint}")
         elif item["type"] == "value_error":
             message = item["msg"].removeprefix("Value error, ")
@@ -1110,7 +960,7 @@ def _explain(error: ValidationError) -> list[str]:
     return problems
 
 
-def _dotted(loc: tuple[Any, ...], nested: bool = False) -> str:
+def dotted(loc: tuple[Any, ...], nested: bool = False) -> str:
     """('agents', 0, 'lr') -> 'agents[0].lr'; ``nested``: the rest of a longer path ('.lr')."""
     text = ""
     for part in loc:
@@ -1145,54 +995,9 @@ def _unwrap(annotation: Any) -> Any:
     return annotation
 
 
-def _did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
+def did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _looks_local(model: str) -> bool:
-    return model.startswith(("/", "./", "../", "~"))
-
-
-SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
-"""The weight files drmas loads: one safetensors file, or the index of sharded ones."""
-PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-"""Suffixes of pickled weights (``pytorch_model.bin``, ``*.pt``): loading one runs code."""
-
-
-class PolicyError(ValueError):
-    """A policy (model folder or artifact) that drmas will not load; the message says where
-    it is and why. Defined here, beside the folder checks, so that stages that only check
-    policies (checkpoint) need not import torch."""
-
-
-def weights_problem(names: typing.Iterable[str]) -> str | None:
-    """Why drmas will not load the weights of a model folder holding these files, or None.
-
-    Weights load only from safetensors: a pickle runs whatever code it holds when it is
-    loaded, so a folder with only pickled weights is refused, never opened or converted.
-    """
-    names = sorted(names)
-    if any(name in SAFE_WEIGHTS for name in names):
-        return None
-    pickled = [name for name in names if name.endswith(PICKLED_WEIGHTS)]
-    if pickled:
-        return (
-            f"has pickled weights ({', '.join(pickled)}) and no model.safetensors; drmas loads "
-            "weights only from safetensors (a pickle runs code when it is loaded)"
-        )
-    return "has no model.safetensors (no weights)"
-
-
-def local_model_problem(folder: Path) -> str | None:
-    """Why a local model folder cannot be a drmas policy, or None; checked at config time so
-    that a wrong path fails before anything runs."""
-    if not folder.is_dir():
-        return "looks like a local folder but does not exist"
-    names = [path.name for path in folder.iterdir()]
-    if "config.json" not in names:
-        return "has no config.json (not a Hugging Face model folder)"
-    return weights_problem(names)
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, str]:
@@ -1208,3 +1013,8 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, str]:
             flat.update(_flatten(item, f"{prefix}.{label}"))
         return flat
     return {prefix: json.dumps(node) if not isinstance(node, str) else node}
+
+
+def looks_local(model: str) -> bool:
+    """Whether a model is named by a local folder rather than a hub id or a key of ``models``."""
+    return model.startswith(("/", "./", "../", "~"))
