@@ -86,7 +86,10 @@ fmt: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 # The MLflow UI over the default tracking store (sqlite in this folder), on 127.0.0.1 only.
+# The link opens MLflow in its model-training mode (runs, metrics, models); MLflow 3's UI
+# would otherwise show the GenAI pages (drmas.infra.tracking.ui_link).
 ui: $(STAMP)
+	@echo "MLflow: http://127.0.0.1:5000/#/experiments?workflowType=machine_learning"
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/runs/mlflow.db --host 127.0.0.1 --port 5000
 
 clean-venv:

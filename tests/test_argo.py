@@ -47,7 +47,7 @@ def task_intervals(log: str) -> dict[str, tuple[datetime.datetime, datetime.date
     return intervals
 
 
-def stored_results(runs: Path) -> dict[str, dict[str, str]]:
+def stored_results(runs: Path) -> dict[str, dict[str, object]]:
     """Artifact -> {file: sha256} of every stage output of the run, from the manifests;
     the timings (metrics.json), the run's record (it names the store) and the report aside."""
     results = {}
@@ -57,6 +57,12 @@ def stored_results(runs: Path) -> dict[str, dict[str, str]]:
             continue
         files = json.loads(manifest.read_text())["files"]
         results[artifact] = {name: entry["sha256"] for name, entry in files.items() if name != "metrics.json"}
+        if "checkpoint.json" in files:  # it names its artifacts by manifest hashes, which cover their timings
+            named = json.loads((manifest.parent / "checkpoint.json").read_text())["worker_groups"]
+            results[artifact]["checkpoint.json"] = {
+                wg: {key: value for key, value in entry.items() if not key.endswith("_manifest")}
+                for wg, entry in named.items()
+            }
     return results
 
 

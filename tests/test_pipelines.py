@@ -741,7 +741,8 @@ def test_a_kfp_local_run_is_one_mlflow_run_like_an_embedded_one(tracked_runs: Tr
             assert version.source == f"runs:/{run.info.run_id}/policies/{version.tags['drmas.wg']}"
             assert Path(version.tags["drmas.store_uri"]).is_relative_to(store)
 
-    link = f"{tracked_runs.server.uri}/#/experiments/{experiment.experiment_id}/runs/{kfp.info.run_id}"
+    page = f"experiments/{experiment.experiment_id}/runs/{kfp.info.run_id}"
+    link = f"{tracked_runs.server.uri}/#/{page}?workflowType=machine_learning"  # MLflow's model-training mode
     pages = {
         step: next((tracked_runs.folder / "kfp" / ".cache" / "kfp-local").glob(f"*/{step}/mlflow")).read_text()
         for step in ("track-start", "track-end")

@@ -310,3 +310,13 @@ def test_a_pipelines_tracking_steps_never_fail_it(tmp_path, caplog):
     assert any("iteration 0 not logged to MLflow" in w for w in warnings)
     assert any("the end of the run not logged to MLflow" in w for w in warnings)
     assert all("the pipeline goes on" in w for w in warnings if "not logged" in w)
+
+
+def test_every_mlflow_link_opens_the_model_training_mode():
+    """MLflow 3's UI shows an experiment's GenAI pages unless the link's route asks for
+    ``workflowType=machine_learning`` (read from the hash route's query by the UI)."""
+    from drmas.infra.tracking import ui_link
+
+    assert ui_link("http://127.0.0.1:5000/", "experiments/3/runs/abc") == (
+        "http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
+    )

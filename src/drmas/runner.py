@@ -17,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from drmas.config import ConfigError, DrmasConfig, resolve
 from drmas.generation.pool import PoolOnDemand
 from drmas.infra.layout import (
@@ -33,6 +31,7 @@ from drmas.infra.layout import (
     stage_path,
 )
 from drmas.infra.lease import RunLease
+from drmas.infra.progress import Progress
 from drmas.infra.store import Store
 from drmas.stages.advantage import advantage
 from drmas.stages.checkpoint import checkpoint, resume_point, training_metrics
@@ -148,9 +147,8 @@ def run_iteration(
     """
     out = IterationResult({}, {}, {}, {}, [], [])
     steps = iteration_steps(config, i)
-    bar = tqdm(total=len(steps), desc=f"iter {i}", unit="stage", leave=False, disable=None)
+    progress = Progress(len(steps), f"iteration {i}", unit="stage", final_line=False)  # the summary line follows
     for step in steps:
-        bar.set_postfix_str(step.name)
         contract, compute = _stage_call(step, config, store, run_id, policies, optims, reference, pool, out)
         key = cache_key(config, store, contract)
         path = contract.output(config)
@@ -168,8 +166,8 @@ def run_iteration(
             out.optims[step.wg] = PolicyRef(out.stages[f"optim/{step.wg}"])
         else:
             out.stages[step.stage] = path
-        bar.update()
-    bar.close()
+        progress.update(done=step.name)
+    progress.close()
     return out
 
 

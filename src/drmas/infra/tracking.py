@@ -48,7 +48,7 @@ from typing import Any
 
 from drmas.config import DrmasConfig
 
-__all__ = ["HTTP_LIMITS", "Tracker", "TrackingUnavailable", "tracking_uri"]
+__all__ = ["HTTP_LIMITS", "UI_MODE", "Tracker", "TrackingUnavailable", "tracking_uri", "ui_link"]
 
 log = logging.getLogger("drmas")
 
@@ -182,6 +182,18 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(f"{first}-{last}" if last > first else f"{first}" for first, last in spans)
 
 
+UI_MODE = "workflowType=machine_learning"
+"""The MLflow UI (3.x) opens every experiment in its GenAI mode (traces, judges, evaluation
+runs) unless a link chooses the model-training mode (runs, metrics, models): the mode is a
+setting of the whole UI, read from this parameter of the page's route."""
+
+
+def ui_link(base: str, page: str) -> str:
+    """A link to ``page`` (e.g. ``experiments/1/runs/abc``) of the MLflow UI at ``base``, in
+    its model-training mode: every MLflow link drmas prints is made here."""
+    return f"{base.rstrip('/')}/#/{page}?{UI_MODE}"
+
+
 class Tracker:
     """Logs a drmas run to MLflow without ever stopping or stalling training (see the module
     docstring): calls are buffered while the server is down and sent when it is back."""
@@ -269,7 +281,7 @@ class Tracker:
         base = (ui or self.uri).rstrip("/")
         if not base.startswith(("http://", "https://")):
             return f"{self.url}; open it with: mlflow ui --backend-store-uri {_redacted(self.uri)}"
-        return f"{_redacted(base)}/#/experiments/{self.experiment_id}/runs/{self.mlflow_run_id}"
+        return ui_link(_redacted(base), f"experiments/{self.experiment_id}/runs/{self.mlflow_run_id}")
 
     # --- delivery: buffer, circuit breaker, accounting -------------------------------------
 

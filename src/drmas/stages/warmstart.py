@@ -29,12 +29,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from drmas.config import DrmasConfig
 from drmas.generation.workers import truncate_prompt
 from drmas.infra.cpus import cpu_threads
 from drmas.infra.layout import PolicyRef
+from drmas.infra.progress import Progress
 from drmas.infra.store import Store
 from drmas.models import chat_prompt, load_model, load_tokenizer
 from drmas.stages.contracts import WarmstartContract, cache_key, starting_point_reusable
@@ -175,7 +175,8 @@ def _fine_tune(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, warm.steps) / warm.steps))
     )
     started, losses = time.perf_counter(), []
-    for _ in tqdm(range(warm.steps), desc=f"warm start {label}", unit="step", leave=False, disable=None):
+    progress = Progress(warm.steps, f"warm start {label}", unit="step")
+    for _ in range(warm.steps):
         drawn = [rows[i] for i in rng.integers(0, len(rows), size=warm.batch_size)]
         tokens = sum(len(row["response_ids"]) for row in drawn)
         loss_sum = 0.0
@@ -190,6 +191,8 @@ def _fine_tune(
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss_sum)
+        progress.update(loss=f"{np.mean(losses[-20:]):.3f}")
+    progress.close()
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     tail = losses[-max(1, len(losses) // 10) :]
