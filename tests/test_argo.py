@@ -6,14 +6,12 @@ the run's pool ever run at the same time: the pipeline's edges order them
 
 from __future__ import annotations
 
-import datetime
 import json
 import re
 from pathlib import Path
 
 import pytest
-from helpers import TINY_OVERRIDES
-from test_pipelines import LOG_MARK, via_kfp_local
+from helpers import LOG_MARK, TINY_OVERRIDES, via_kfp_local
 
 SETTINGS = [
     *TINY_OVERRIDES,
@@ -26,22 +24,26 @@ SETTINGS = [
 """The tiny math team, 3 iterations, an evaluation before training and after each."""
 
 POOL_TASKS = re.compile(r"(rollout|update|evaluate)(-\d+)?")
-LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - \w+ - (.*)$")
+LINE = re.compile(r"^(?:\d{4}-\d\d-\d\d )?(\d\d):(\d\d):(\d\d)[.,](\d{3}) - \w+ - (.*)$")
+"""A record of kfp.local's log: its own logger's (``05:18:50.104 - INFO - ...``) or the
+root logger's (``2026-12-05 05:18:56,894 - INFO - ...``)."""
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STARTED = re.compile(r"Executing task '([\w.-]+)'")
 FINISHED = re.compile(r"Task '([\w.-]+)' finished with status (\w+)")
 
 
-def task_intervals(log: str) -> dict[str, tuple[datetime.datetime, datetime.datetime]]:
-    """Task -> (started, finished) from kfp.local's log (its records are timestamped)."""
-    started: dict[str, datetime.datetime] = {}
+def task_intervals(log: str) -> dict[str, tuple[float, float]]:
+    """Task -> (started, finished), seconds of the day, from kfp.local's timestamped log."""
+    started: dict[str, float] = {}
     intervals = {}
-    for line in log.splitlines():
+    for line in ANSI.sub("", log).splitlines():
         if not (record := LINE.match(line)):
             continue
-        when = datetime.datetime.strptime(record.group(1), "%Y-%m-%d %H:%M:%S,%f")
-        if found := STARTED.search(record.group(2)):
+        hours, minutes, seconds, millis, message = record.groups()
+        when = int(hours) * 3600 + int(minutes) * 60 + int(seconds) + int(millis) / 1000
+        if found := STARTED.search(message):
             started[found.group(1)] = when
-        elif found := FINISHED.search(record.group(2)):
+        elif found := FINISHED.search(message):
             assert found.group(2) == "SUCCESS", line
             intervals[found.group(1)] = (started.pop(found.group(1)), when)
     return intervals
@@ -67,6 +69,7 @@ def stored_results(runs: Path) -> dict[str, dict[str, object]]:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_a_run_as_argo_runs_it_equals_a_sequential_one_and_never_shares_the_pool(tmp_path):
     (tmp_path / "sequential").mkdir()
     (tmp_path / "parallel").mkdir()
