@@ -210,7 +210,7 @@ def assert_rerun_recomputes_only_the_stage(tmp_path: Path, capsys: pytest.Captur
     assert status == 0, out + err
     assert (
         "recomputed: advantage;" in out
-        and "cache hits: rollout, policy/solver, policy/verifier, evaluate, checkpoint" in out
+        and "cache hits: rollout, update/solver, update/verifier, checkpoint, evaluate" in out
     )
     assert (iteration / "advantage" / "batch.parquet").read_bytes() == batch
     changed = [p for p, data in manifests.items() if p.read_bytes() != data]

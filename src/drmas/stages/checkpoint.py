@@ -14,6 +14,7 @@ stage is deterministic given its inputs, the resumed run is the run that was nev
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -138,10 +139,18 @@ def resume_point(config: DrmasConfig, store: Store, run_id: str) -> ResumePoint:
     is a policy that is not the worker group's model (PolicyError, see ``check_policy``).
     """
     experiment = config.experiment.name
-    done = sorted(
+    checkpointed = sorted(
         found[1]
         for found in map(split_iteration_path, store.list(run_path(experiment, run_id)))
         if found is not None and found[2] == "checkpoint"
+    )
+    # An iteration evaluates after its checkpoint: one killed in between is done up to its
+    # evaluation, which the resumed run computes (its other stages are reused).
+    done = list(
+        itertools.takewhile(
+            lambda i: not config.evaluates(i) or store.exists(stage_path(experiment, run_id, i, "evaluate")),
+            checkpointed,
+        )
     )
     stored = next(
         (i for i in reversed(done) if _stores_optimizer_states(store, stage_path(experiment, run_id, i, "checkpoint"))),
