@@ -11,7 +11,8 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import LOG_MARK, TINY_OVERRIDES, via_kfp_local
+from helpers import TINY_OVERRIDES
+from test_pipelines import LOG_MARK, via_kfp_local
 
 SETTINGS = [
     *TINY_OVERRIDES,

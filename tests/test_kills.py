@@ -57,7 +57,7 @@ def stage_artifacts(iteration: int) -> list[tuple[str, str, int]]:
     artifacts = [("rollout", f"{prefix}/rollout", 2), ("advantage", f"{prefix}/advantage", 2)]
     for wg in WORKER_GROUPS:
         artifacts += [("update", f"{prefix}/optim/{wg}", 2), ("update", f"{prefix}/policy/{wg}", 3)]
-    return artifacts + [("evaluate", f"{prefix}/evaluate", 2), ("checkpoint", f"{prefix}/checkpoint", 2)]
+    return artifacts + [("checkpoint", f"{prefix}/checkpoint", 2), ("evaluate", f"{prefix}/evaluate", 2)]
 
 
 def kill_plan(seed: int, per_kind: int = 1) -> list[KillPoint]:

@@ -204,6 +204,8 @@ def starting_point_reusable(config: DrmasConfig, store: Store, contract: StageCo
         return False
     if reuses(config, store, contract, cache_key(config, store, contract)):
         return True
+    if store.open(path).meta.get("copied_from"):  # a start shared on purpose (drmas compare: one per seed set)
+        return True
     if store.exists(stage_path(config.experiment.name, run_id, 0, "rollout")):
         log.warning(
             "%s: computed with another config or code than this run's (its cache key differs); kept, since the run "
