@@ -70,7 +70,6 @@ def stored_results(runs: Path) -> dict[str, dict[str, object]]:
 
 
 @pytest.mark.slow
-@pytest.mark.e2e
 def test_a_run_as_argo_runs_it_equals_a_sequential_one_and_never_shares_the_pool(tmp_path):
     (tmp_path / "sequential").mkdir()
     (tmp_path / "parallel").mkdir()
