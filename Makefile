@@ -89,7 +89,7 @@ fmt: $(STAMP)
 # The link opens MLflow in its model-training mode (runs, metrics, models); MLflow 3's UI
 # would otherwise show the GenAI pages (drmas.infra.tracking.ui_link).
 ui: $(STAMP)
-	@echo "MLflow: http://127.0.0.1:5000/#/experiments?workflowType=machine_learning"
+	@$(PY) -c "from drmas.infra.tracking import LOCAL_UI, ui_link; print('MLflow:', ui_link(LOCAL_UI, 'experiments'))"
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/runs/mlflow.db --host 127.0.0.1 --port 5000
 
 clean-venv:

@@ -241,9 +241,9 @@ def run_engine_case(name: str, tiny: bool) -> dict[str, Any]:
 
     stage, offload = ENGINE_CASES[name]
     if name == CONTROL:
-        import drmas.training.engines as engines
+        import drmas.training.engines.deepspeed as deepspeed_engine
 
-        engines.zero3_optimizer_homes = lambda zero, device: [device] * len(zero.fp32_partitioned_groups_flat)
+        deepspeed_engine.zero3_optimizer_homes = lambda zero, device: [device] * len(zero.fp32_partitioned_groups_flat)
     bf16 = torch.cuda.is_available()
     config = engine_config(stage, offload, bf16)
     group = config.worker_groups()[0]

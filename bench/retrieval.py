@@ -6,7 +6,7 @@ Generates a corpus of ``--passages`` passages of 40-120 words (DPR's passages ar
 words): made-up word roots, each written in several inflections (-s, -ed, -ing, -er,
 -ation), between English stop words. Each query is 3-6 roots of one passage written in
 another inflection than the passage has ("running" for "runs"), as a question rephrases
-its source. Then, for ``drmas.tasks.search.Tokenization`` with the stemmer off and on
+its source. Then, for ``drmas.tasks.search.retrieval.Tokenization`` with the stemmer off and on
 (same process, same data, best of ``--repeats``, CPU time):
   - tokenising the corpus, and ``Retriever.build`` (tokenising included),
   - one batched ``Retriever.search`` of all queries at k = 3,
@@ -26,7 +26,7 @@ import bm25s
 import Stemmer
 from bm25s.stopwords import STOPWORDS_EN
 
-from drmas.tasks.search import TOKEN_PATTERN, Retriever, Tokenization
+from drmas.tasks.search.retrieval import TOKEN_PATTERN, Retriever, Tokenization
 from drmas.team.orchestras import Passage
 
 ONSETS = ("b", "br", "d", "dr", "f", "g", "gr", "k", "kl", "l", "m", "n", "p", "pl", "r", "s", "st", "t", "tr", "v")

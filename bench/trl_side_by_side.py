@@ -128,7 +128,7 @@ def run_size(size: str, args: argparse.Namespace, scratch: Path, timings: Path) 
     from trl import GRPOConfig, GRPOTrainer
 
     from drmas.generation.pool import PoolOnDemand
-    from drmas.generation.workers import _stop_ids
+    from drmas.generation.workers import stop_token_ids
     from drmas.infra.store import Store
     from drmas.models import load_model, load_tokenizer
     from drmas.runner import open_run, run_iteration, starting_policies
@@ -149,7 +149,7 @@ def run_size(size: str, args: argparse.Namespace, scratch: Path, timings: Path) 
     start_dir = store.open(policies[wg].artifact).download(scratch / f"start-{size}", prefix=policies[wg].prefix)
     tokenizer = load_tokenizer(start_dir)
     model = load_model(start_dir)
-    model.generation_config.eos_token_id = _stop_ids(tokenizer)  # stop where drmas stops
+    model.generation_config.eos_token_id = stop_token_ids(tokenizer)  # stop where drmas stops
     params = sum(p.numel() for p in model.parameters())
 
     # The same questions in the same order: drmas draws them per iteration.

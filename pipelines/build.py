@@ -40,7 +40,7 @@ from drmas.config import DrmasConfig
 from drmas.infra.layout import stage_path
 from drmas.stages.iteration import RUN_STAGES, Step, run_steps
 from drmas_kfp import components
-from drmas_kfp.pipelines.platform import GPU_STAGES, Placement, place, placement_for
+from drmas_kfp.pipelines.platform import GPU_STAGES, Placement, cheap_setter_checks, place, placement_for
 
 __all__ = [
     "PIPELINES",
@@ -131,8 +131,9 @@ class _Builder:
     def task(self, stage: str, task: PipelineTask, name: str, forced: bool = False) -> PipelineTask:
         task.set_display_name(name)
         task.set_caching_options(not forced and self._cacheable(stage))
-        task.set_container_image(self.images["gpu" if stage in GPU_STAGES else "cpu"])
-        return place(task, self.placement(stage, self.config))
+        with cheap_setter_checks():
+            task.set_container_image(self.images["gpu" if stage in GPU_STAGES else "cpu"])
+            return place(task, self.placement(stage, self.config))
 
     def _cacheable(self, stage: str) -> bool:
         """Whether KFP may skip the task when its inputs are the same artifacts. Not an

@@ -4,7 +4,9 @@
 kfp.local prints every task's executor input and output JSON (the whole config each time)
 and everything the task prints: thousands of lines for a short run. That goes to a log
 file (``TaskLog``); the console gets one line per task (executed or cache hit, its time,
-what drmas did with the stage's output) and, when a task fails, the end of its output.
+what drmas did with the stage's output), the progress lines of a task at work (a task's
+output is not a terminal: ``drmas.infra.progress`` prints plain lines there, which are
+few) and, when a task fails, the end of its output.
 
 One local Ray serves the whole pipeline: started here (unless the config names a cluster
 or ``RAY_ADDRESS`` is set) and named to the task processes through ``RAY_ADDRESS``, which
@@ -29,6 +31,7 @@ from typing import TextIO
 
 from drmas.config import DrmasConfig
 from drmas.generation.ray_session import RAY_ADDRESS, ray_session
+from drmas.infra.progress import PLAIN_LINE
 from drmas_kfp.pipelines.argo import argo_parallelism
 
 __all__ = ["DEFAULT_ROOT", "TaskLog", "run_local", "shared_ray"]
@@ -133,6 +136,8 @@ class TaskLog(io.TextIOBase):
             self._tail.append(line.strip())
             if stage := STAGE_LINE.match(line):
                 self._stages.append(f"{stage.group(1)} {stage.group(2)}")
+            elif PLAIN_LINE.match(line.strip()):
+                print(f"  {self._task}: {line.strip()}", file=self.console, flush=True)
 
     def _say(self, name: str, outcome: str, text: str) -> None:
         self.tasks[name] = outcome

@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -65,6 +67,7 @@ __all__ = [
     "Placement",
     "S3_SECRET",
     "S3_SECRET_KEYS",
+    "cheap_setter_checks",
     "check_backend",
     "for_backend",
     "placement_for",
@@ -207,11 +210,12 @@ def update_scratch_size(config) -> str:
 
 
 class _CallerNameOnly:
-    """``inspect`` for ``kfp.dsl.pipeline_task``, whose every resource setter (kfp 2.17)
-    names its caller for an error message with ``inspect.stack()[1][3]``: that reads the
-    source of every frame on the stack and scans ``sys.modules`` for each, 0.1-0.5 s per
-    call in a process that imported torch (a 10-iteration pipeline has ~50 tasks, 4 setters
-    each). Here ``stack()`` gives the caller's name alone; all else is ``inspect``."""
+    """``inspect`` for ``kfp.dsl.pipeline_task``, whose container setters (kfp 2.17: the
+    image, resources, accelerator, environment) name their caller for an error message
+    with ``inspect.stack()[1][3]``: that reads the source of every frame on the stack and
+    scans ``sys.modules`` for each, 0.1-0.5 s per call in a process that imported torch (a
+    10-iteration pipeline has ~50 tasks, five or more such setters each). Here ``stack()`` gives the
+    caller's name alone; all else is ``inspect``."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(inspect, name)
@@ -222,7 +226,19 @@ class _CallerNameOnly:
         return [None, (None, None, None, sys._getframe(2).f_code.co_name)]
 
 
-kfp.dsl.pipeline_task.inspect = _CallerNameOnly()  # type: ignore[assignment]
+@contextmanager
+def cheap_setter_checks() -> Iterator[None]:
+    """Within it, kfp's container setters name themselves in their errors without walking
+    the stack (``_CallerNameOnly``); outside it kfp is as installed, so the patch reaches
+    no one else's use of kfp in the process. The pipelines set every task's container
+    inside it."""
+    module = kfp.dsl.pipeline_task
+    previous = module.inspect
+    module.inspect = _CallerNameOnly()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        module.inspect = previous
 
 
 def place(task: PipelineTask, placement: Placement, secret: str = S3_SECRET) -> PipelineTask:

@@ -1,6 +1,8 @@
 """Shared fixtures: a real S3 server (SeaweedFS on 127.0.0.1), a store on each backend, a
-real MLflow server, a local Ray, and one real trained run on S3 that several modules read (each copies it before
-it changes anything).
+real MLflow server, a local Ray, and two real trained runs that several modules read (each
+copies one before it changes anything): one on S3 (``trained_run``), and the uninterrupted
+run that the kill and resume tests compare with (``baseline_run``). Then the tiers and the
+scheduling of test files on xdist workers.
 
 The server is started once per test session by this fixture and stopped by its PID; its
 credentials are random, so tests can also check that they never leak into messages.
@@ -187,19 +189,64 @@ def local_trained_run(trained_run: TrainedRun, tmp_path_factory: pytest.TempPath
     return root
 
 
+BASELINE_RUN = "uninterrupted"
+BASELINE_SETTINGS = [*TINY_OVERRIDES, "experiment.iterations=2", "eval.every=1", "eval.max_questions=3", "eval.k=2"]
+"""The run id and the settings of ``baseline_run``: a run that is killed and resumed with these
+settings must end where it ends."""
+
+
+@dataclass
+class BaselineRun:
+    """An uninterrupted ``drmas run`` of ``configs/math_tiny.yaml`` with ``BASELINE_SETTINGS``."""
+
+    folder: Path
+    """Its working folder (the run's ``.cache`` is there)."""
+    root: Path
+    """Its local store root: the run, and MLflow's database and artifacts beside it."""
+    output: str
+
+
+@pytest.fixture(scope="session")
+def baseline_run(tmp_path_factory: pytest.TempPathFactory) -> BaselineRun:
+    """The run that test_kills.py and test_resume.py compare their killed and resumed runs
+    with, byte for byte: trained once for the session (about 40 s; the two files run on one
+    xdist worker, ``SHARED_SESSION_FIXTURE``). Never change it: copy its ``root`` first."""
+    folder = tmp_path_factory.mktemp("baseline-run")
+    command = [
+        str(Path(sys.executable).parent / "drmas"),
+        "run",
+        str(ROOT / "configs" / "math_tiny.yaml"),
+        *BASELINE_SETTINGS,
+        f"store.root={folder / 'runs'}",
+        "--run-id",
+        BASELINE_RUN,
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return BaselineRun(folder, folder / "runs", done.stdout)
+
+
+RUNS_A_TRAINED_RUN = {"trained_run", "local_trained_run", "baseline_run"}
+"""Fixtures that train with ``drmas run``: a test that uses one is an end-to-end test."""
+
+
 # --------------------------------------------------------------------------------------
-# Scheduling on pytest-xdist workers (`make test`: --dist loadfile --no-loadscope-reorder)
+# Tiers and scheduling on pytest-xdist workers (`make test`: --dist loadfile --no-loadscope-reorder)
 # --------------------------------------------------------------------------------------
 
-SHARED_SESSION_FIXTURE = dict.fromkeys(("test_disk_full", "test_bad_input", "test_security"), "trained_run")
-"""Test files that use one costly session fixture (``trained_run``: a ``drmas run``, ~45 s):
-xdist hands them to one worker as one unit, so that the fixture is built once, not once per
-worker that runs one of them."""
+SHARED_SESSION_FIXTURE = dict.fromkeys(("test_disk_full", "test_bad_input", "test_security"), "trained_run") | {
+    "test_kills": "baseline_run",
+    "test_resume": "baseline_run",
+}
+"""Test files that use one costly session fixture (``trained_run``, ``baseline_run``: a ``drmas
+run`` each, 30-45 s): xdist hands them to one worker as one unit, so that the fixture is
+built once, not once per worker that runs one of them."""
 SECONDS_ON_A_WORKER = {
     "test_real_model": 280,
     "test_pipelines": 265,
-    "test_resume": 200,
-    "test_kills": 220,
+    "test_kills": 250,  # with test_resume: one unit (the baseline run)
+    "test_resume": 250,
     "test_rollout": 185,
     "test_store_faults": 170,
     "test_disk_full": 135,  # with test_bad_input and test_security: one unit (the trained run)
@@ -220,7 +267,12 @@ tests, which leaves the files of one long test to the end)."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On xdist workers, the longest units first (a stable sort: collection order within)."""
+    """A test that reads a trained run is marked e2e (a tier can be deselected whole, with
+    its session fixture's run); on xdist workers, the longest units first (a stable sort:
+    collection order within)."""
+    for item in items:
+        if RUNS_A_TRAINED_RUN & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         items.sort(key=lambda item: -SECONDS_ON_A_WORKER.get(item.path.stem, 0))
 

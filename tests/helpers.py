@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
+import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 
 from drmas.cli import main
 from drmas.config import DrmasConfig, load_config
-from drmas.infra.layout import stage_path
+from drmas.generation.workers import GenerationResult
+from drmas.infra.layout import policy_path, stage_path
 from drmas.infra.schema import TRAJECTORY_SCHEMA
 from drmas.infra.store import Store
+from drmas.models import load_model, load_tokenizer
+from drmas.stages.policies import init_policies
+from drmas.tasks import Question
+from drmas.team.episodes import Call, Episode, episodes_to_table
+from drmas.training.batching import collate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,3 +123,127 @@ def torch_env(threads: int | None = 1) -> dict[str, str]:
     cache (built once), and ``threads`` torch threads per process (None: torch's default)."""
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions")}
     return env | {"OMP_NUM_THREADS": str(threads)} if threads else env
+
+
+UPDATE_OVERRIDES = [
+    "models.tiny.hidden_size=32",
+    "models.tiny.intermediate_size=64",
+    "models.tiny.num_layers=1",
+    "data.generated_train_size=40",
+    "data.generated_eval_size=10",
+    "workers.sharing=by_model",
+    "train.lr=0.01",
+]
+"""Overrides of ``configs/math_tiny.yaml`` for the tests of the update on its own
+(``make_run``): one worker group for both agents, a large enough step to see it move."""
+
+WG = "solver-verifier"
+"""The one worker group of ``UPDATE_OVERRIDES``."""
+
+
+def make_run(tmp_path: Path, *overrides: str):
+    """A run whose iteration 0 has a rollout artifact made of scripted responses, with the
+    rollout log-probs computed by the initial policy itself at the sampling temperature, as
+    an engine reports them (so the ratio starts at 1)."""
+    config = load_config(ROOT / "configs" / "math_tiny.yaml", [*UPDATE_OVERRIDES, *overrides])
+    store = Store(str(tmp_path / "store"))
+    [policy] = init_policies(config, store, "run").values()
+    local = store.open(policy.artifact).download(tmp_path / "init")
+    tokenizer, model = load_tokenizer(local), load_model(local)
+    episodes = []
+    for q, (question, good) in enumerate([("What is 2 + 2?", "\\boxed{4}"), ("What is 3 + 5?", "\\boxed{8}")]):
+        for sample, (solution, reward) in enumerate([(good, 1.0), ("\\boxed{0}", 0.0)]):
+            episode = Episode(
+                f"u{q}",
+                f"u{q}-s{sample}",
+                sample,
+                Question(f"q{q}", question, ("x",), "test"),
+                reward=reward,
+                success=reward > 0,
+            )
+            for agent, text in (("solver", solution), ("verifier", "<verify>approve</verify>")):
+                prompt = tokenizer(f"{question} {agent}", add_special_tokens=False)["input_ids"]
+                response = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                episode.calls.append(Call(agent, WG, 1, prompt, response, [0.0] * len(response), text, True, "stop"))
+            episodes.append(episode)
+    table = episodes_to_table(episodes, "run", 0)
+    rows = table.to_pylist()
+    for row in rows:
+        row["advantage"] = 0.0
+    batch = collate(rows, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        logprobs = (
+            torch.log_softmax(logits / config.rollout.sampling.temperature, dim=-1)
+            .gather(-1, batch.input_ids[:, 1:].unsqueeze(-1))
+            .squeeze(-1)
+        )
+    rollout_logprobs = [logprobs[b][batch.response_mask[b] > 0].tolist() for b in range(len(rows))]
+    table = table.set_column(
+        table.schema.get_field_index("rollout_logprobs"),
+        "rollout_logprobs",
+        pa.array(rollout_logprobs, pa.list_(pa.float32())),
+    )
+    with store.writer(stage_path(config.experiment.name, "run", 0, "rollout")) as out:
+        out.write_table("trajectories.parquet", table)
+    return config, store, policy, tokenizer
+
+
+def refuse_ray(*args: object) -> bool:
+    """Patched over ``drmas.generation.ray_session.connect_ray`` by tests of commands that
+    must stop before Ray starts."""
+    raise AssertionError("Ray started: the bad input was not refused first")
+
+
+def record_policy(store: Store, run_id: str, wg: str, experiment: str = "math-tiny") -> None:
+    """Make the checkpoint of iteration 0 record the policy now stored for ``wg``, as if the
+    checkpoint had been written with it: only a check of the model itself can tell."""
+    path = stage_path(experiment, run_id, 0, "checkpoint")
+    record = store.open(path).read_json("checkpoint.json")
+    record["worker_groups"][wg]["policy_manifest"] = store.fingerprint(policy_path(experiment, run_id, 0, wg))
+    metrics = store.open(path).read_json("metrics.json")
+    with store.writer(path, overwrite=True, meta=store.open(path).meta) as out:
+        out.write_json("checkpoint.json", record)
+        out.write_json("metrics.json", metrics)
+
+
+class ScriptedPool:
+    """Answers each generate with ``script(wg, prompt)``; records every batched call."""
+
+    def __init__(self, script: Callable[[str, str], str]) -> None:
+        self.script = script
+        self.calls: list[tuple[str, int]] = []
+
+    def load(self, policies) -> None:
+        pass
+
+    def generate(self, wg, messages, sampling, seed):
+        self.calls.append((wg, len(messages)))
+        return [GenerationResult([1, 2, 3], [4, 5], [-0.5, -0.25], self.script(wg, m), "stop") for m in messages]
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+LOG_MARK = "\n--- kfp.local's log ---\n"
+"""Where ``via_kfp_local``'s output ends and kfp.local's log begins."""
+
+
+def via_kfp_local(tmp_path: Path, settings: list[str], *args: str) -> str:
+    """`drmas run --via kfp-local` of the tiny math config with ``settings`` in tmp_path
+    (kfp.local's root and cache in tmp_path/.cache); its output, which must say success."""
+    command = [
+        str(Path(sys.executable).parent / "drmas"),
+        "run",
+        str(ROOT / "configs" / "math_tiny.yaml"),
+        *settings,
+        f"store.root={tmp_path / 'runs'}",
+        "--via",
+        "kfp-local",
+        *args,
+    ]
+    done = subprocess.run(
+        command, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900
+    )
+    console = ANSI.sub("", done.stdout + done.stderr)
+    assert done.returncode == 0, console[-6000:]
+    [log] = re.findall(r"^kfp.local's log: (.+)$", console, re.M)
+    return console + LOG_MARK + (tmp_path / log).read_text()

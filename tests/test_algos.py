@@ -17,11 +17,11 @@ from drmas.algos import (
     agent_reward_stats,
     aggregate_loss,
     compute_advantages,
-    factorize,
     low_var_kl,
     policy_loss,
     row_scores,
 )
+from drmas.grouping import factorize
 
 # The worked example of docs/architecture.md §1 / the reference report: one prompt, three trajectories.
 #   t1: solver, verifier         R=1

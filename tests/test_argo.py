@@ -11,8 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import TINY_OVERRIDES
-from test_pipelines import LOG_MARK, via_kfp_local
+from helpers import LOG_MARK, TINY_OVERRIDES, via_kfp_local
 
 SETTINGS = [
     *TINY_OVERRIDES,
@@ -70,6 +69,7 @@ def stored_results(runs: Path) -> dict[str, dict[str, object]]:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_a_run_as_argo_runs_it_equals_a_sequential_one_and_never_shares_the_pool(tmp_path):
     (tmp_path / "sequential").mkdir()
     (tmp_path / "parallel").mkdir()

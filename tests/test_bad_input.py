@@ -26,8 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import TRAINED_RUN, TRAINED_SETTINGS
-from helpers import TINY_OVERRIDES
-from test_orchestras import ScriptedPool
+from helpers import TINY_OVERRIDES, ScriptedPool, record_policy, refuse_ray
 
 from drmas.cli import main
 from drmas.config import load_config
@@ -42,9 +41,9 @@ from drmas.stages.rollout import rollout
 from drmas.stages.update import update
 from drmas.tasks import Question
 from drmas.tasks.math import math_reward
-from drmas.tasks.search import exact_match
+from drmas.tasks.search.answers import exact_match
 from drmas.team.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent
-from drmas.training.engines import TorchEngine
+from drmas.training.engines.torch import TorchEngine
 from drmas.training.state import capture_state, save_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -332,10 +331,6 @@ def run_copy(local_trained_run: Path, tmp_path: Path, monkeypatch: pytest.Monkey
     return Store(str(tmp_path / "runs"))
 
 
-def refuse_ray(*args: object) -> bool:
-    raise AssertionError("Ray started: the bad input was not refused first")
-
-
 def rewrite(store: Store, path: str, files: dict[str, bytes]) -> None:
     """Replace an artifact's files, with a manifest that matches them (and the old meta, so
     that caching still takes it for the stage's output): damage that no hash can see."""
@@ -343,18 +338,6 @@ def rewrite(store: Store, path: str, files: dict[str, bytes]) -> None:
     with store.writer(path, overwrite=True, meta=meta) as out:
         for name, data in files.items():
             out.write_bytes(name, data)
-
-
-def record_policy(store: Store, run_id: str, wg: str) -> None:
-    """Make the checkpoint of iteration 0 record the policy now stored for ``wg``, as if the
-    checkpoint had been written with it: only a check of the model itself can tell."""
-    path = stage_path(EXPERIMENT, run_id, 0, "checkpoint")
-    record = store.open(path).read_json("checkpoint.json")
-    record["worker_groups"][wg]["policy_manifest"] = store.fingerprint(policy_path(EXPERIMENT, run_id, 0, wg))
-    metrics = store.open(path).read_json("metrics.json")
-    with store.writer(path, overwrite=True, meta=store.open(path).meta) as out:
-        out.write_json("checkpoint.json", record)
-        out.write_json("metrics.json", metrics)
 
 
 def other_model(tmp_path: Path, *overrides: str) -> Path:

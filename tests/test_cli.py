@@ -285,7 +285,7 @@ def test_a_bf16_model_on_a_cpu_without_native_bf16_is_warned_about(native, overr
 
 def test_the_kubeflow_commands_name_their_extra_when_kfp_is_missing(tmp_path):
     """kfp is the ``kubeflow`` extra, not a dependency of the library: without it, drmas
-    still runs, and compile (submit, run --via kfp-local alike) stops naming the extra to
+    still runs, and compile, submit and run --via kfp-local stop naming the extra to
     install, writing nothing. (A ``kfp`` package that fails to import stands in for its
     absence.)"""
     import subprocess
@@ -295,10 +295,14 @@ def test_the_kubeflow_commands_name_their_extra_when_kfp_is_missing(tmp_path):
     (missing / "__init__.py").write_text("raise ImportError('No module named kfp')\n")
     env = {**os.environ, "PYTHONPATH": str(missing.parent)}
     drmas_bin = str(Path(sys.executable).parent / "drmas")
-    out = tmp_path / "p.yaml"
-    done = subprocess.run(
-        [drmas_bin, "compile", MATH, "-o", str(out)], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 2, done.stderr
-    assert "pip install 'drmas[kubeflow]'" in done.stderr and not out.exists()
+    out, store = tmp_path / "p.yaml", tmp_path / "store"
+    for command in (
+        ["compile", MATH, "-o", str(out)],
+        ["submit", MATH, "--host", "http://127.0.0.1:9", "-o", str(out)],
+        ["run", MATH, "--via", "kfp-local", f"store.root={store}"],
+    ):
+        done = subprocess.run([drmas_bin, *command], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert "pip install 'drmas[kubeflow]'" in done.stderr, done.stderr
+    assert not out.exists() and not store.exists()
     assert subprocess.run([drmas_bin, "config", MATH], env=env, capture_output=True, timeout=120).returncode == 0

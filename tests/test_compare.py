@@ -109,6 +109,7 @@ def test_report_means_skip_iterations_without_reward_spread(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_drmas_compare_trains_every_run_from_one_warm_start(tmp_path):
     """`drmas compare` end to end on a tiny team: one run per mode and seed, all in one Ray;
     every run starts from the first one's warm start (copied, not retrained), one report for

@@ -9,12 +9,11 @@ by stage function, with every read of a config field recorded, and compares.
 from __future__ import annotations
 
 import shutil
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,6 +21,7 @@ import torch
 from helpers import ROOT, TINY_OVERRIDES
 
 from drmas.config import DrmasConfig, Section, load_config
+from drmas.generation import pool as pool_module
 from drmas.generation.pool import RayPool
 from drmas.infra.code import PACKAGE_ROOT, module_fingerprint
 from drmas.infra.layout import PolicyRef, iteration_path, stage_path
@@ -145,38 +145,29 @@ class _ActorInProcess:
         return SimpleNamespace(remote=getattr(self._instance, method))
 
 
-def _in_process_ray() -> dict[str, ModuleType]:
-    """The part of Ray that ``RayPool`` uses, in-process: the pool's own code (its config
-    reads included) runs unchanged, and so do the worker groups' runtimes, whose reads
-    would otherwise happen in actor processes that no recording sees."""
-
-    def module(name: str, **attributes: Any) -> ModuleType:
-        made = ModuleType(name)
-        made.__dict__.update(attributes)
-        return made
+def _in_process_ray() -> dict[str, Any]:
+    """The part of Ray that ``RayPool`` uses, in-process, by the names the pool module
+    imported it under: the pool's own code (its config reads included) runs unchanged, and
+    so do the worker groups' runtimes, whose reads would otherwise happen in actor processes
+    that no recording sees."""
 
     def remote(cls: type) -> SimpleNamespace:
         return SimpleNamespace(
             options=lambda **_: SimpleNamespace(remote=lambda *args, **kwargs: _ActorInProcess(cls(*args, **kwargs)))
         )
 
-    exceptions = module("ray.exceptions", RayActorError=type("RayActorError", (Exception,), {}))
-    placement = module(
-        "ray.util.placement_group",
-        placement_group=lambda bundles, strategy, **_: SimpleNamespace(ready=lambda: None),
-        remove_placement_group=lambda group: None,
-    )
-    strategies = module("ray.util.scheduling_strategies", PlacementGroupSchedulingStrategy=lambda *args, **kwargs: None)
-    util = module("ray.util", placement_group=placement, scheduling_strategies=strategies)
-    ray = module(
-        "ray",
+    ray = SimpleNamespace(
         remote=remote,
         get=lambda value, timeout=None: value,
         kill=lambda actor, no_restart=True: None,
-        exceptions=exceptions,
-        util=util,
+        exceptions=SimpleNamespace(RayActorError=type("RayActorError", (Exception,), {})),
     )
-    return {made.__name__: made for made in (ray, util, placement, strategies, exceptions)}
+    return {
+        "ray": ray,
+        "placement_group": lambda bundles, strategy, **_: SimpleNamespace(ready=lambda: None),
+        "remove_placement_group": lambda group: None,
+        "PlacementGroupSchedulingStrategy": lambda *args, **kwargs: None,
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -239,8 +230,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyIteration:
         return call
 
     with pytest.MonkeyPatch.context() as patch:
-        for name, module in _in_process_ray().items():
-            patch.setitem(sys.modules, name, module)
+        for name, value in _in_process_ray().items():
+            patch.setattr(pool_module, name, value)
         for module in (contracts_module, policies_module, warmstart_module):  # the stages that key themselves
             patch.setattr(module, "cache_key", unrecorded(cache_key))
         try:

@@ -25,7 +25,7 @@ from drmas.stages.evaluate import source_label, success_at_k
 from drmas.tasks import DataError, Question
 from drmas.tasks.files import default_source
 from drmas.tasks.math import load_math_questions, math_reward
-from drmas.tasks.search import load_qa
+from drmas.tasks.search.corpus import load_qa
 from drmas.team.episodes import Episode
 
 GSM8K_TRAIN = [

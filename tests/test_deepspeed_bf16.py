@@ -40,8 +40,10 @@ from pathlib import Path
 import torch, torch.distributed as dist
 from transformers import Qwen3Config, Qwen3ForCausalLM
 sys.path.insert(0, sys.argv[1])
-from test_update import ROOT, TINY
+from helpers import ROOT, UPDATE_OVERRIDES
 import drmas.training.engines as E
+import drmas.training.engines.deepspeed as DS
+from drmas.training.engines.base import trainable_parameters
 from drmas.config import load_config
 from drmas.training.state import TrainState, load_state, save_state
 
@@ -49,11 +51,11 @@ N, M = int(sys.argv[2]), int(sys.argv[3])
 if int(os.environ.get("WORLD_SIZE", "1")) > 1:
     dist.init_process_group("gloo")
 rank, world = E.rank_and_world()
-deepspeed_config = E.deepspeed_config
+deepspeed_config = DS.deepspeed_config
 
 
 def build(stage, dtype):
-    overrides = [*TINY, "train.lr=1e-5", f"models.tiny.dtype={dtype}", "train.backend=deepspeed"]
+    overrides = [*UPDATE_OVERRIDES, "train.lr=1e-5", f"models.tiny.dtype={dtype}", "train.backend=deepspeed"]
     config = load_config(ROOT / "configs" / "math_tiny.yaml", [*overrides, f"train.zero_stage={stage}"])
     shape = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -67,8 +69,8 @@ def engine(config, model, partition_all):
         if partition_all:
             ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
         return ds
-    E.deepspeed_config = partitioned
-    return E.DeepSpeedEngine(model, config.worker_groups()[0], config)
+    DS.deepspeed_config = partitioned
+    return DS.DeepSpeedEngine(model, config.worker_groups()[0], config)
 
 
 def train(engine, steps, first):
@@ -95,7 +97,8 @@ def unequal(expected, found):
 
 def masters_rounded(engine):
     state, now = engine.export_state(), weights(engine)
-    return all(torch.equal(now[n], state.tensors[f"master/{n}"].to(torch.bfloat16)) for n in E._trainable(engine.model))
+    rounded = {n: state.tensors[f"master/{n}"].to(torch.bfloat16) for n in trainable_parameters(engine.model)}
+    return all(torch.equal(now[n], master) for n, master in rounded.items())
 
 
 report = {}
@@ -124,7 +127,7 @@ for case in sys.argv[4].split(","):
         report[case] = row
         continue
     row["masters_differ_from_weights"] = any(
-        not torch.equal(saved.tensors[f"master/{n}"], at_n[n].float()) for n in E._trainable(model)
+        not torch.equal(saved.tensors[f"master/{n}"], at_n[n].float()) for n in trainable_parameters(model)
     )
     without_masters = TrainState({k: v for k, v in saved.tensors.items() if not k.startswith("master/")}, saved.meta)
     for label, state, start in (("resumed", saved, None), ("without_masters", without_masters, at_n)):

@@ -21,17 +21,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import torch_env
+from helpers import WG, make_run, torch_env
 from standin_device import STANDIN, StandInDevice
-from test_update import WG, make_run
 
 import drmas.models as models
 import drmas.stages.update as update_stage
 import drmas.training.batching as batching
 import drmas.training.engines as engines
+import drmas.training.engines.torch as torch_engine
 import drmas.training.loop as loop
 from drmas.infra.layout import PolicyRef, optim_path
 from drmas.stages.advantage import advantage
+
+pytestmark = pytest.mark.standin
 
 ROOT = Path(__file__).parent.parent
 EVERY_PATH = (
@@ -75,7 +77,7 @@ def watched_update(tmp_path: Path, monkeypatch, *overrides: str, resume: bool = 
     monkeypatch.setattr(models, "load_model", load_and_watch)
     monkeypatch.setattr(engines, "make_engine", engine_and_watch)
     monkeypatch.setattr(loop, "policy_loss", loss_and_watch)
-    monkeypatch.setattr(engines, "training_device", lambda: STANDIN)
+    monkeypatch.setattr(torch_engine, "training_device", lambda: STANDIN)
     with StandInDevice() as device:
         first = update_stage.update(config, store, "run", 0, WG, policy, None, reference=policy)
         if resume:

@@ -26,11 +26,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import torch_env, torch_launcher
-from test_update import ROOT, TINY
+from helpers import ROOT, UPDATE_OVERRIDES, torch_env, torch_launcher
 
 from drmas.config import load_config
-from drmas.training.engines import deepspeed_config
+from drmas.training.engines.deepspeed import deepspeed_config
 
 MICRO_BATCHES = 32
 FP32 = ["2", "3", "1-offload", "2-offload", "3-offload"]  # fp32 accumulation and reduction
@@ -49,7 +48,7 @@ import json, math, os, sys
 import torch, torch.distributed as dist
 from transformers import Qwen3Config, Qwen3ForCausalLM
 sys.path.insert(0, sys.argv[1])
-from test_update import ROOT, TINY
+from helpers import ROOT, UPDATE_OVERRIDES
 import drmas.training.engines as E
 from drmas.config import load_config
 from deepspeed.utils import safe_get_full_grad
@@ -63,7 +62,7 @@ SHAPE = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hid
 
 
 def engine(backend, stage, offload, dtype, lr="1e-5"):
-    overrides = [*TINY, f"train.lr={lr}", "train.warmup_steps=3", f"models.tiny.dtype={dtype}",
+    overrides = [*UPDATE_OVERRIDES, f"train.lr={lr}", "train.warmup_steps=3", f"models.tiny.dtype={dtype}",
                  f"train.backend={backend}", f"train.zero_stage={stage}", f"train.offload_optimizer={offload}"]
     config = load_config(ROOT / "configs" / "math_tiny.yaml", overrides)
     torch.manual_seed(0)
@@ -184,7 +183,9 @@ def report(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 def ds_config(*overrides: str) -> dict:
-    config = load_config(ROOT / "configs" / "math_tiny.yaml", [*TINY, "models.tiny.dtype=bfloat16", *overrides])
+    config = load_config(
+        ROOT / "configs" / "math_tiny.yaml", [*UPDATE_OVERRIDES, "models.tiny.dtype=bfloat16", *overrides]
+    )
     return deepspeed_config(config, config.worker_groups()[0], 4)
 
 

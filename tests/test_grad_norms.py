@@ -21,9 +21,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 import torch
-from helpers import torch_env, torch_launcher
+from helpers import WG, make_run, torch_env, torch_launcher
 from safetensors.torch import load_file
-from test_update import WG, make_run
 
 from drmas.stages.advantage import advantage
 
@@ -59,17 +58,18 @@ from pathlib import Path
 import torch.distributed as dist
 import drmas.stages.update as U
 import drmas.training.engines as E
+import drmas.training.engines.deepspeed as DS
 from drmas.config import DrmasConfig
 from drmas.infra.layout import optim_path
 from drmas.infra.store import Store
 from drmas.infra.layout import PolicyRef
 
-config_for = E.deepspeed_config
+config_for = DS.deepspeed_config
 def small_params_partitioned(config, group, world):
     ds = config_for(config, group, world)
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     return ds
-E.deepspeed_config = small_params_partitioned
+DS.deepspeed_config = small_params_partitioned
 made = []
 make_engine = E.make_engine
 E.make_engine = lambda *args: made.append(make_engine(*args)) or made[-1]

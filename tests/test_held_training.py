@@ -13,7 +13,7 @@ from drmas.config import load_config
 from drmas.infra.layout import optim_path, policy_path
 from drmas.infra.store import Store
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 def test_a_run_that_loses_its_pool_goes_back_to_its_last_stored_optimizer_state(

@@ -1,12 +1,17 @@
-"""Kill -9 inside every stage, resume, and end exactly where a run that was never killed ends.
+"""Kill -9 at any write to the store, and inside every stage of a run, resume, and end exactly
+where a run that was never killed ends.
 
-One run is killed again and again at seeded points (``drmas.infra.faults``: a SIGKILL of the run's
-whole process group at a chosen file of a chosen artifact, sometimes half-way through
-writing it), plus kills at seeded random times, and resumed after each. After every kill
-no artifact a reader can open is partial (every manifest's files match it) and the killed
-artifact has no manifest; at the end, every iteration's policies, optimizer states and eval
-results equal, byte for byte, those of an uninterrupted run, and its non-timing metrics
-equal them too (forward-pass diagnostics to float32 noise: ``FORWARD_NOISE``).
+Kills land at exact, repeatable places through ``drmas.infra.faults`` (a SIGKILL of the
+writer's whole process group at a chosen file of a chosen artifact, sometimes half-way
+through writing it). At the store: a writer killed at each kind of write (a file, a streamed
+file, torn half-way, before the manifest) leaves nothing a reader can open, and the write
+that a resumed stage makes replaces its leftovers; a tiny process, on both backends. End to
+end: one run is killed in the warm start and in each stage of the iteration (``KILLED_STAGES``,
+at seeded writes), and resumed after each; after every kill no artifact a reader can open
+is partial (every manifest's files match it) and the killed artifact has no manifest;
+at the end, every iteration's policies, optimizer states and eval results equal, byte for
+byte, those of the session's uninterrupted run (``baseline_run``), and its non-timing
+metrics equal them too (forward-pass diagnostics to float32 noise: ``FORWARD_NOISE``).
 """
 
 from __future__ import annotations
@@ -18,29 +23,97 @@ import random
 import signal
 import subprocess
 import sys
-import time
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import TINY_OVERRIDES
+from conftest import BASELINE_RUN, BASELINE_SETTINGS, BaselineRun
 
+from drmas.config import load_config
 from drmas.infra.faults import KILL_AT
-from drmas.infra.store import MANIFEST, Store
+from drmas.infra.layout import optim_path, policy_path, run_path, run_record_path, stage_path, warmstart_path
+from drmas.infra.store import MANIFEST, ArtifactNotFound, Store
+from drmas.stages.iteration import ITERATION_STAGES, Step, iteration_steps
 
-pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parent.parent
-ITERATIONS = 2
-WORKER_GROUPS = ("solver", "verifier")
-SETTINGS = [*TINY_OVERRIDES, f"experiment.iterations={ITERATIONS}", "eval.every=1", "eval.max_questions=3", "eval.k=2"]
-STAGE_KINDS = ("rollout", "advantage", "update", "evaluate", "checkpoint")
+CONFIG = load_config(ROOT / "configs" / "math_tiny.yaml", BASELINE_SETTINGS)
+EXPERIMENT = CONFIG.experiment.name
+ITERATIONS = CONFIG.experiment.iterations
+RUN = "cut"
+
+
+# --------------------------------------------------------------------------------------
+# At the store: one writer, killed at each kind of write
+# --------------------------------------------------------------------------------------
+
+ARTIFACT = stage_path("exp", "run", 0, "rollout")
+NEIGHBOUR = stage_path("exp", "run", 0, "advantage")
+KILLED_WRITER = textwrap.dedent(
+    """
+    import sys
+    import pyarrow as pa
+    from drmas.infra.store import Store
+
+    store = Store(sys.argv[1], sys.argv[2] or None)
+    with store.writer(sys.argv[4]) as out:  # a complete artifact beside the killed one
+        out.write_json("metrics.json", {"done": True})
+    with store.writer(sys.argv[3]) as out:
+        out.write_bytes("first.bin", b"1" * 1000)
+        out.write_table("second.parquet", pa.table({"x": list(range(1000))}))
+        out.put_file(sys.argv[5], "third/streamed.bin")
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("point", "leftover"),
+    [("1", None), ("2~torn", "second.parquet"), ("3~torn", "third/streamed.bin"), ("manifest", "third/streamed.bin")],
+)
+def test_a_writer_killed_at_any_write_leaves_nothing_a_reader_opens(
+    store: Store, tmp_path: Path, point: str, leftover: str | None
+):
+    """Before a file, half-way through one (bytes, or streamed from disk), and after every
+    file but before the manifest: the killed artifact is not listed and cannot be opened,
+    its neighbour reads back whole, and the stage's next write (no overwrite: nothing is
+    stored there) replaces the leftovers."""
+    streamed = tmp_path / "streamed.bin"
+    streamed.write_bytes(os.urandom(300_000))
+    env = {**os.environ, KILL_AT: f"{ARTIFACT}#{point}"}
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_WRITER, store.root, store.endpoint or "", ARTIFACT, NEIGHBOUR, str(streamed)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,  # the kill takes the writer's own group, nothing else
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    if leftover is not None:  # the kill really was where it was meant to be
+        info = store.fs.get_file_info(store._abs(ARTIFACT, leftover))
+        assert info.type.name == "File" and info.size > 0, f"{point}: no {leftover} left behind"
+    assert store.list() == [NEIGHBOUR]
+    assert store.open(NEIGHBOUR).read_json("metrics.json") == {"done": True}
+    with pytest.raises(ArtifactNotFound):
+        store.open(ARTIFACT)
+
+    with store.writer(ARTIFACT) as out:
+        out.write_bytes("result.txt", b"done")
+    assert set(store.open(ARTIFACT).files) == {"result.txt"}
+    assert store.open(ARTIFACT).read_bytes("result.txt") == b"done"
+
+
+# --------------------------------------------------------------------------------------
+# End to end: a run killed in every stage kind and resumed
+# --------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class KillPoint:
-    """A write inside a stage: the artifact (path suffix), the file number or 'manifest'."""
+    """A write inside a stage: the artifact (its path under the run), the file number or
+    'manifest'."""
 
-    kind: str
+    stage: str
     artifact: str
     position: int | str
     torn: bool = False
@@ -50,39 +123,59 @@ class KillPoint:
         return f"{self.artifact}#{self.position}" + ("~torn" if self.torn else "")
 
 
-def stage_artifacts(iteration: int) -> list[tuple[str, str, int]]:
-    """Every artifact an iteration writes, in the order the runner writes them, with its
-    stage kind and how many files it has before its manifest (the policy: at least 3)."""
-    prefix = f"iter-{iteration:06d}"
-    artifacts = [("rollout", f"{prefix}/rollout", 2), ("advantage", f"{prefix}/advantage", 2)]
-    for wg in WORKER_GROUPS:
-        artifacts += [("update", f"{prefix}/optim/{wg}", 2), ("update", f"{prefix}/policy/{wg}", 3)]
-    return artifacts + [("checkpoint", f"{prefix}/checkpoint", 2), ("evaluate", f"{prefix}/evaluate", 2)]
+SEED = 6
+"""The kill plan's seed: the verifier's warm start torn (the solver's is stored), iteration 0's
+advantage, checkpoint (torn) and evaluation (before its manifest), iteration 1's rollout
+(torn) and an update's optimizer state (torn)."""
+KILLED_STAGES = ("warmstart", *ITERATION_STAGES)
+"""The stages a run is killed in, once each: the warm start (the starting point; the initial
+policies before it are written and reused the same way) and every stage of the iteration."""
 
 
-def kill_plan(seed: int, per_kind: int = 1) -> list[KillPoint]:
-    """``per_kind`` seeded kill points in each stage kind, in the order a run reaches them."""
-    rng = random.Random(seed)
-    candidates = []
+def written_by(step: Step, run: str) -> list[str]:
+    """The artifacts a step of the iteration writes, in the order it writes them."""
+    if step.stage == "update":
+        assert step.wg is not None
+        return [
+            optim_path(EXPERIMENT, run, step.iteration, step.wg),
+            policy_path(EXPERIMENT, run, step.iteration, step.wg),
+        ]
+    return [stage_path(EXPERIMENT, run, step.iteration, step.stage)]
+
+
+def stage_writes(run: str) -> list[tuple[str, str]]:
+    """(stage, artifact) for every artifact of a killed stage a run writes, in its order."""
+    groups = [group.name for group in CONFIG.worker_groups()]
+    writes = [("warmstart", warmstart_path(EXPERIMENT, run, wg)) for wg in groups]
     for iteration in range(ITERATIONS):
-        for kind, artifact, files in stage_artifacts(iteration):
-            candidates += [KillPoint(kind, artifact, "manifest")]
-            candidates += [KillPoint(kind, artifact, n, torn) for n in range(1, files + 1) for torn in (False, True)]
-    chosen = {
-        point for kind in STAGE_KINDS for point in rng.sample([c for c in candidates if c.kind == kind], per_kind)
-    }
+        writes += [(step.stage, path) for step in iteration_steps(CONFIG, iteration) for path in written_by(step, run)]
+    return writes
+
+
+def kill_plan(baseline: Store, seed: int) -> list[KillPoint]:
+    """One seeded kill point in each of ``KILLED_STAGES``, in the order a run reaches them:
+    any file (whole or torn) of any artifact the stage writes, or its manifest (the files as
+    the uninterrupted run's manifests list them)."""
+    candidates = []
+    for (stage, path), (_, stored) in zip(stage_writes(RUN), stage_writes(BASELINE_RUN), strict=True):
+        artifact = path.removeprefix(run_path(EXPERIMENT, RUN) + "/")
+        files = len(baseline.open(stored).files)
+        candidates += [KillPoint(stage, artifact, "manifest")]
+        candidates += [KillPoint(stage, artifact, n, torn) for n in range(1, files + 1) for torn in (False, True)]
+    rng = random.Random(seed)
+    chosen = {rng.choice([c for c in candidates if c.stage == stage]) for stage in KILLED_STAGES}
     return [point for point in candidates if point in chosen]
 
 
-def drmas_run(tmp_path: Path, run: str, resume: bool, kill_at: str | None = None) -> subprocess.Popen:
+def drmas_run(tmp_path: Path, resume: bool, kill_at: str | None = None) -> subprocess.Popen:
     command = [
         str(Path(sys.executable).parent / "drmas"),
         "run",
         str(ROOT / "configs" / "math_tiny.yaml"),
-        *SETTINGS,
+        *BASELINE_SETTINGS,
         f"store.root={tmp_path / 'runs'}",
     ]
-    command += ["--resume", run] if resume else ["--run-id", run]
+    command += ["--resume", RUN] if resume else ["--run-id", RUN]
     env = {key: value for key, value in os.environ.items() if key != KILL_AT} | {"HF_HUB_OFFLINE": "1"}
     if kill_at:
         env[KILL_AT] = kill_at
@@ -103,9 +196,9 @@ def finish(process: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
     return process.returncode, output
 
 
-def assert_readers_see_only_whole_artifacts(store: Store, run: str) -> int:
+def assert_readers_see_only_whole_artifacts(store: Store) -> int:
     """Every artifact with a manifest reads back whole; returns how many there are."""
-    artifacts = store.list(f"math-tiny/{run}")
+    artifacts = store.list(run_path(EXPERIMENT, RUN))
     for path in artifacts:
         artifact = store.open(path)
         for name in artifact.files:
@@ -118,13 +211,16 @@ def final_state(store: Store, run: str) -> dict[str, bytes]:
     (without wall-clock timings and throughputs)."""
     state: dict[str, bytes] = {}
     for iteration in range(ITERATIONS):
-        prefix = f"math-tiny/{run}/iter-{iteration:06d}"
-        for wg in WORKER_GROUPS:
-            state[f"{iteration}/policy/{wg}"] = store.open(f"{prefix}/policy/{wg}").read_bytes("model.safetensors")
-            optim = store.open(f"{prefix}/optim/{wg}")
+        for group in CONFIG.worker_groups():
+            wg = group.name
+            policy = store.open(policy_path(EXPERIMENT, run, iteration, wg))
+            state[f"{iteration}/policy/{wg}"] = policy.read_bytes("model.safetensors")
+            optim = store.open(optim_path(EXPERIMENT, run, iteration, wg))
             state |= {f"{iteration}/optim/{wg}/{name}": optim.read_bytes(name) for name in sorted(optim.files)}
-        state[f"{iteration}/eval"] = store.open(f"{prefix}/evaluate").read_bytes("eval.parquet")
-        metrics = store.open(f"{prefix}/checkpoint").read_json("metrics.json")
+        state[f"{iteration}/eval"] = store.open(stage_path(EXPERIMENT, run, iteration, "evaluate")).read_bytes(
+            "eval.parquet"
+        )
+        metrics = store.open(stage_path(EXPERIMENT, run, iteration, "checkpoint")).read_json("metrics.json")
         steady = {
             k: v for k, v in metrics.items() if not k.startswith("time/") and not k.endswith(("/time", "tokens_per_s"))
         }
@@ -132,43 +228,32 @@ def final_state(store: Store, run: str) -> dict[str, bytes]:
     return state
 
 
-@pytest.mark.timeout(1500)  # 9 runs of the CLI: about 3 minutes on 2 quiet cores
-def test_killed_at_every_stage_and_resumed_equals_uninterrupted(tmp_path):
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.timeout(1500)  # 7 runs of the CLI: about 4 minutes on 2 quiet cores
+def test_killed_in_every_stage_and_resumed_equals_uninterrupted(tmp_path: Path, baseline_run: BaselineRun):
     store = Store(str(tmp_path / "runs"))
-    code, output = finish(drmas_run(tmp_path, "whole", resume=False))
-    assert code == 0, output
-    expected = final_state(store, "whole")
+    baseline = Store(str(baseline_run.root))
+    expected = final_state(baseline, BASELINE_RUN)
 
-    # One kill inside each stage kind (seed 11: a torn rollout, an update's policy killed
-    # before its manifest, a torn evaluation, both iterations); one process start each, which
-    # is most of the suite's time in this test.
-    plan = kill_plan(seed=11)
-    assert {point.kind for point in plan} == set(STAGE_KINDS) and len(plan) == len(STAGE_KINDS)
-    rng = random.Random(8)
-    kills, torn_seen = 0, 0
-    # Two kills at seeded random times first: anywhere in start-up, warm start or iteration 0.
-    for delay in (rng.uniform(3, 12), rng.uniform(3, 12)):
-        process = drmas_run(tmp_path, "cut", resume=(tmp_path / "runs/math-tiny/cut/run" / MANIFEST).exists())
-        time.sleep(delay)
-        os.killpg(process.pid, signal.SIGKILL)
-        finish(process)
-        kills += 1
-        assert_readers_see_only_whole_artifacts(store, "cut")
+    # One kill inside each stage kind; one process start each, which is most of this test's time.
+    plan = kill_plan(baseline, seed=SEED)
+    assert sorted(point.stage for point in plan) == sorted(KILLED_STAGES)
+    torn_seen = 0
     for point in plan:
-        resume = (tmp_path / "runs/math-tiny/cut/run" / MANIFEST).exists()
-        code, output = finish(drmas_run(tmp_path, "cut", resume=resume, kill_at=point.spec))
+        resume = store.exists(run_record_path(EXPERIMENT, RUN))
+        code, output = finish(drmas_run(tmp_path, resume=resume, kill_at=point.spec))
         assert code == -signal.SIGKILL, f"{point.spec} never fired (exit {code}):\n{output[-3000:]}"
-        kills += 1
-        killed = tmp_path / "runs/math-tiny/cut" / point.artifact
+        killed = tmp_path / "runs" / run_path(EXPERIMENT, RUN) / point.artifact
         assert not (killed / MANIFEST).exists(), point.spec
         if point.torn:
             torn_seen += any(path.is_file() for path in killed.rglob("*"))
-        assert_readers_see_only_whole_artifacts(store, "cut")
+        assert_readers_see_only_whole_artifacts(store)
 
-    code, output = finish(drmas_run(tmp_path, "cut", resume=True))
+    code, output = finish(drmas_run(tmp_path, resume=True))
     assert code == 0, output
-    assert differences(final_state(store, "cut"), expected) == []
-    assert kills == len(plan) + 2 and torn_seen >= 1
+    assert differences(final_state(store, RUN), expected) == []
+    assert torn_seen >= 1
 
 
 FORWARD_NOISE = 1e-6

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import torch_env
+from helpers import WG, make_run, torch_env
 from safetensors.torch import load_file
-from test_update import WG, make_run
 
 import drmas.stages.update as U
 from drmas.config import ConfigError, load_config

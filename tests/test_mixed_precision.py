@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import UPDATE_OVERRIDES, WG, make_run
 from safetensors.torch import load_file
-from test_update import TINY, WG, make_run
 
 import drmas.stages.update as U
 from drmas.config import load_config
 from drmas.generation.workers import WorkerGroupRuntime
 from drmas.infra.layout import PolicyRef, optim_path
 from drmas.stages.advantage import advantage
-from drmas.training.engines import TorchEngine
+from drmas.training.engines.torch import TorchEngine
 from drmas.training.state import load_state, save_state
 
 ROOT = Path(__file__).parent.parent
@@ -25,7 +25,9 @@ LR = 1e-4
 def tiny_bf16():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = load_config(ROOT / "configs" / "math_tiny.yaml", [*TINY, f"train.lr={LR}", "models.tiny.dtype=bfloat16"])
+    config = load_config(
+        ROOT / "configs" / "math_tiny.yaml", [*UPDATE_OVERRIDES, f"train.lr={LR}", "models.tiny.dtype=bfloat16"]
+    )
     shape = Qwen3Config(
         vocab_size=64,
         hidden_size=32,

@@ -7,37 +7,22 @@ test_rollout.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import ScriptedPool
 
 from drmas.config import load_config
-from drmas.generation.workers import GenerationResult
 from drmas.stages.rollout import build_team, draw_questions, play
 from drmas.tasks import Question
-from drmas.tasks.search import Retriever, SearchOrchestra
+from drmas.tasks.search.retrieval import Retriever
+from drmas.tasks.search.task import SearchOrchestra
 from drmas.team.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent, find_tag
 from drmas.team.episodes import Episode
 from drmas.team.orchestras import Passage, Tools
 
 CONFIGS = Path(__file__).parent.parent / "configs"
-
-
-class ScriptedPool:
-    """Answers each generate with ``script(wg, prompt)``; records every batched call."""
-
-    def __init__(self, script: Callable[[str, str], str]) -> None:
-        self.script = script
-        self.calls: list[tuple[str, int]] = []
-
-    def load(self, policies) -> None:
-        pass
-
-    def generate(self, wg, messages, sampling, seed):
-        self.calls.append((wg, len(messages)))
-        return [GenerationResult([1, 2, 3], [4, 5], [-0.5, -0.25], self.script(wg, m), "stop") for m in messages]
 
 
 def math_team(script, *overrides):

@@ -4,7 +4,6 @@ tracked in MLflow like the same run embedded), and submitted through kfp.Client 
 stand-in of the KFP API server."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 import yaml
-from helpers import TINY_OVERRIDES
+from helpers import LOG_MARK, TINY_OVERRIDES, via_kfp_local
 from kfp import dsl
 from localmlflow import MlflowServer
 
@@ -505,32 +504,6 @@ def test_compile_warns_when_a_pipeline_runs_more_iterations_than_one_kfp_run_sho
 # --------------------------------------------------------------------------------------
 
 SMALL = ["experiment.iterations=1", *TINY_OVERRIDES, "eval.every=1", "eval.max_questions=2", "eval.k=2"]
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def via_kfp_local(tmp_path: Path, settings: list[str], *args: str) -> str:
-    """`drmas run --via kfp-local` of the tiny math config with ``settings`` in tmp_path
-    (kfp.local's root and cache in tmp_path/.cache); its output, which must say success."""
-    command = [
-        str(Path(sys.executable).parent / "drmas"),
-        "run",
-        str(ROOT / "configs" / "math_tiny.yaml"),
-        *settings,
-        f"store.root={tmp_path / 'runs'}",
-        "--via",
-        "kfp-local",
-        *args,
-    ]
-    done = subprocess.run(
-        command, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900
-    )
-    console = ANSI.sub("", done.stdout + done.stderr)
-    assert done.returncode == 0, console[-6000:]
-    [log] = re.findall(r"^kfp.local's log: (.+)$", console, re.M)
-    return console + LOG_MARK + (tmp_path / log).read_text()
-
-
-LOG_MARK = "\n--- kfp.local's log ---\n"
 
 
 def kfp_local(tmp_path: Path, *args: str) -> tuple[str, dict[str, str]]:
@@ -550,6 +523,7 @@ def manifests(root: Path) -> dict[str, tuple[bytes, int]]:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_kfp_local_runs_every_stage_then_recomputes_only_the_forced_one(tmp_path):
     """One RL iteration with kfp.local executes every stage and leaves every stage's
     artifact in the store. A rerun with --force advantage executes the advantage again;
@@ -668,6 +642,7 @@ TRACKED_EXPERIMENT = "kfp-and-embedded"
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_a_kfp_local_train_run_starts_its_pool_once(tracked_runs: TrackedRuns):
     """`drmas run --via kfp-local` of the train pipeline over 2 iterations: the first task
     that needs the pool starts its workers (one per worker group and slot), and every later
@@ -684,6 +659,7 @@ def test_a_kfp_local_train_run_starts_its_pool_once(tracked_runs: TrackedRuns):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_a_kfp_local_run_is_one_mlflow_run_like_an_embedded_one(tracked_runs: TrackedRuns):
     """The same config run embedded and via kfp-local against one MLflow server: two MLflow
     runs with the same params (where the runs are stored aside), the same metric keys with
@@ -833,6 +809,7 @@ class StubKfpApi:
         self.server.server_close()
 
 
+@pytest.mark.standin
 def test_submit_posts_the_compiled_pipeline_with_its_parameters(tmp_path, capsys, monkeypatch):
     """`drmas submit` compiles the pipeline and creates a run through kfp.Client. A real
     Kubeflow Pipelines API server is the one boundary that cannot run on these machines
@@ -922,6 +899,7 @@ def test_submit_posts_the_compiled_pipeline_with_its_parameters(tmp_path, capsys
     assert second["display_name"] == "r1 train (force advantage@1)"
 
 
+@pytest.mark.standin
 def test_submit_reports_an_unreachable_server(tmp_path, capsys, monkeypatch):
     import kfp
 
@@ -937,26 +915,34 @@ def test_submit_reports_an_unreachable_server(tmp_path, capsys, monkeypatch):
 
 
 def test_a_kfp_task_setter_misused_still_names_itself():
-    """drmas gives kfp's task setters a cheap way to name themselves (``platform.py``): the
-    error for a setter on an importer task (no container) still says which setter."""
+    """drmas gives kfp's task setters a cheap way to name themselves while it sets a task's
+    container (``platform.cheap_setter_checks``): the error for a setter on an importer task
+    (no container) still says which setter, and kfp is itself again afterwards."""
+    import inspect
+
+    import kfp.dsl.pipeline_task
     from kfp import dsl
 
-    import drmas_kfp.pipelines.platform  # noqa: F401 - what installs it
+    from drmas_kfp.pipelines.platform import cheap_setter_checks
 
+    assert kfp.dsl.pipeline_task.inspect is inspect  # importing drmas's platform patches nothing
     raised: list[str] = []
 
-    @dsl.pipeline
     def misuse():
         task = dsl.importer(artifact_uri="s3://bucket/policy", artifact_class=dsl.Model)
-        try:
-            task.set_cpu_request("1")
-        except ValueError as error:
-            raised.append(str(error))
+        with cheap_setter_checks():
+            assert kfp.dsl.pipeline_task.inspect is not inspect
+            try:
+                task.set_cpu_request("1")
+            except ValueError as error:
+                raised.append(str(error))
 
-    assert misuse is not None
+    dsl.pipeline(misuse)  # building the pipeline runs its body
     assert len(raised) == 1 and raised[0].startswith("set_cpu_request can only be used on single-step components")
+    assert kfp.dsl.pipeline_task.inspect is inspect
 
 
+@pytest.mark.standin
 def test_submit_runs_a_long_run_in_parts_and_prints_the_next_ones(tmp_path, capsys, monkeypatch):
     """A run longer than --iterations-per-run: KFP cannot start a run when another ends, and
     a part can only start once the checkpoint before it exists, so `drmas submit` starts
@@ -1020,6 +1006,7 @@ def test_submit_runs_a_long_run_in_parts_and_prints_the_next_ones(tmp_path, caps
     assert {e["container"]["image"].rpartition(":")[2] for e in executors if "container" in e} == {"0.1.0-1a2b"}
 
 
+@pytest.mark.standin
 def test_submit_to_a_profile_namespace_runs_as_its_default_account(tmp_path, capsys, monkeypatch):
     """With --namespace (a Profile of multi-user Kubeflow) the steps run as the namespace's
     default-editor: no service account in the run, unless one is given."""

@@ -230,6 +230,7 @@ def test_a_worker_killed_mid_update_is_rebuilt_and_the_update_equals_an_undistur
     assert "a worker died during the update; rebuilding its 2 worker(s)" in stderr
 
 
+@pytest.mark.standin
 def test_a_local_ray_runs_without_authentication_and_a_cluster_keeps_its_own(monkeypatch, tmp_path):
     """A local Ray (loopback only) starts with RAY_AUTH_MODE=disabled; joining a cluster
     (ray.address) sets nothing, so a pod's RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (from the

@@ -36,10 +36,6 @@ def test_the_pool_stages_drivers_load_no_torch():
     assert _heavy_modules_after(drivers, ("torch", "transformers", "deepspeed")) == []
 
 
-PACKAGE_FOLDERS = {"drmas": "src/drmas", "drmas_kfp": "src/drmas_kfp"}
-"""The import names whose folders are not the top-level ones the mapping names."""
-
-
 def _package_of(folder: Path) -> str:
     """The import name a package folder installs as (pyproject.toml's package-dir)."""
     relative = folder.relative_to(ROOT).as_posix()

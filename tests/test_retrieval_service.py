@@ -1,10 +1,10 @@
-"""Retrieval served over HTTP (``drmas.tasks.retrieval_service``): the same passages as
+"""Retrieval served over HTTP (``drmas.tasks.search.service``): the same passages as
 the in-process BM25, a search rollout through it equal to one in process, retries of a
 transient failure, a clear failure of a dead, silent or wrong service, 400s for bad
 requests, and cache keys that follow the corpus but not where it is served from.
 
 Every service here is real and listens on 127.0.0.1 on a free port: one started as the
-command (``python -m drmas.tasks.retrieval_service``, in a subprocess), the others in a
+command (``python -m drmas.tasks.search.service``, in a subprocess), the others in a
 thread of the test; each test stops what it started.
 """
 
@@ -38,16 +38,12 @@ from drmas.infra.store import Store
 from drmas.stages.contracts import EvaluateContract, RolloutContract, cache_key
 from drmas.stages.rollout import rollout
 from drmas.tasks import DataError
-from drmas.tasks.retrieval_client import RetrievalClient, RetrievalError, RetrievalMismatch, RetrievalUnavailable
-from drmas.tasks.retrieval_service import RetrievalServer, load_passages, main, serve
-from drmas.tasks.search import (
-    Retriever,
-    SearchTask,
-    Tokenization,
-    corpus_for,
-    generate_fact_world,
-    retrieval_client,
-)
+from drmas.tasks.search.client import RetrievalClient, RetrievalError, RetrievalMismatch, RetrievalUnavailable
+from drmas.tasks.search.corpus import corpus_for
+from drmas.tasks.search.retrieval import Retriever, Tokenization
+from drmas.tasks.search.service import RetrievalServer, load_passages, main, serve
+from drmas.tasks.search.task import SearchTask, retrieval_client
+from drmas.tasks.search.world import generate_fact_world
 from drmas.team.orchestras import Passage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,10 +101,10 @@ def service(passages: list[Passage], tmp_path: Path) -> Iterator[RetrievalServer
 
 @pytest.fixture(scope="module")
 def command_service(corpus_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]]:
-    """``python -m drmas.tasks.retrieval_service`` on a free port: (its URL, the process)."""
+    """``python -m drmas.tasks.search.service`` on a free port: (its URL, the process)."""
     store = tmp_path_factory.mktemp("command-store")
     process = subprocess.Popen(
-        [sys.executable, "-m", "drmas.tasks.retrieval_service", "--corpus", str(corpus_file)]
+        [sys.executable, "-m", "drmas.tasks.search.service", "--corpus", str(corpus_file)]
         + ["--store", str(store), "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -18,22 +18,14 @@ import Stemmer
 
 from drmas.config import DataConfig, load_config
 from drmas.infra.store import CorruptArtifact, Store
-from drmas.tasks import DataError, Question, search
-from drmas.tasks.search import (
-    INDEX_FORMAT,
-    Passage,
-    Retriever,
-    SearchTask,
-    Tokenization,
-    cached_retriever,
-    corpus_for,
-    exact_match,
-    format_passages,
-    generate_fact_world,
-    load_corpus,
-    load_qa,
-    normalize_answer,
-)
+from drmas.tasks import DataError, Question
+from drmas.tasks.search import retrieval
+from drmas.tasks.search.answers import exact_match, normalize_answer
+from drmas.tasks.search.corpus import corpus_for, load_corpus, load_qa
+from drmas.tasks.search.retrieval import INDEX_FORMAT, Retriever, Tokenization, cached_retriever
+from drmas.tasks.search.task import SearchTask, format_passages
+from drmas.tasks.search.world import generate_fact_world
+from drmas.team.orchestras import Passage
 
 SEED = 7
 ROOT = Path(__file__).resolve().parents[1]
@@ -488,7 +480,7 @@ def test_tokens_are_bm25s_own(stemmer, stopwords):
     ]
     expected = bm25s.tokenize(
         texts,
-        token_pattern=search.TOKEN_PATTERN,
+        token_pattern=retrieval.TOKEN_PATTERN,
         stopwords="en" if stopwords == "english" else None,
         stemmer=Stemmer.Stemmer("english") if stemmer == "english" else None,
         return_ids=False,
@@ -515,10 +507,10 @@ def test_stop_words_are_searchable_only_when_kept():
 def test_each_thread_stems_with_its_own_stemmer():
     """A PyStemmer object has state and must not be called from two threads at once (its
     own docs), and the retrieval service answers on many: each thread gets its own."""
-    mine = search._stemmer()
+    mine = retrieval._stemmer()
     with ThreadPoolExecutor(2) as threads:
-        others = list(threads.map(lambda _: search._stemmer(), range(4)))
-    assert search._stemmer() is mine and all(other is not mine for other in others)
+        others = list(threads.map(lambda _: retrieval._stemmer(), range(4)))
+    assert retrieval._stemmer() is mine and all(other is not mine for other in others)
     assert len({id(other) for other in others}) <= 2  # one per pool thread, reused
 
 
@@ -650,7 +642,7 @@ def test_damaged_cache_is_rebuilt_with_a_warning(tmp_path, counted_builds, caplo
         victim.write_text("{}")
     else:
         victim.unlink()
-    with caplog.at_level(logging.WARNING, logger="drmas.tasks.search"):
+    with caplog.at_level(logging.WARNING, logger="drmas.tasks.search.retrieval"):
         rebuilt = cached_retriever(RIVERS, store)
     assert counted_builds == [3, 3]
     assert "rebuilding the BM25 cache" in caplog.text and "vocab.index.json" in caplog.text

@@ -43,8 +43,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import S3_BUCKET, TRAINED_RUN, TRAINED_SETTINGS, TrainedRun, copy_trained_run
-from helpers import stored_rollout
-from test_bad_input import record_policy
+from helpers import record_policy, stored_rollout
 
 from drmas.config import ModelSpec, StoreConfig
 from drmas.generation.workers import WorkerGroupRuntime
@@ -56,7 +55,8 @@ from drmas.stages.policies import AGENT_TAGS, init_policies
 from drmas.stages.update import update
 from drmas.tasks import Question
 from drmas.tasks.math import math_reward
-from drmas.tasks.search import INDEX_DIR, PASSAGES_FILE, Retriever, cached_retriever, exact_match
+from drmas.tasks.search.answers import exact_match
+from drmas.tasks.search.retrieval import INDEX_DIR, PASSAGES_FILE, Retriever, cached_retriever
 from drmas.team.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent
 from drmas.team.episodes import Episode
 from drmas.team.orchestras import Passage
@@ -571,7 +571,7 @@ def test_the_local_ray_listens_on_loopback_only():
 def test_the_update_rendezvous_listens_on_loopback_only(monkeypatch):
     import torch.distributed as dist
 
-    from drmas.training.engines import ensure_process_group
+    from drmas.training.engines.deepspeed import ensure_process_group
 
     if dist.is_initialized():
         pytest.skip("a process group is already up in this process")

@@ -32,6 +32,8 @@ import torch
 from drmas.config import SamplingConfig
 from drmas.generation.engines import request_seeds
 
+pytestmark = pytest.mark.standin
+
 GARBAGE = "garbage"
 ALL_MEMORY = ("kv_cache", "weights", "cuda_graph")
 

@@ -237,6 +237,7 @@ def final_policies(store: Store, run_id: str) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_drmas_run_through_a_faulty_store(proxy: FaultProxy, s3_env: LocalS3Server, tmp_path: Path, capsys):
     """A real run whose every store access (driver and Ray workers) goes through the faulty
     proxy completes; every artifact it wrote verifies against its manifest; and its final

@@ -27,7 +27,8 @@ from drmas.stages.rollout import rollout, task_questions
 from drmas.tasks import DataError, Question, Task, files, task_for
 from drmas.tasks.files import read_questions
 from drmas.tasks.math import MathTask, load_math_questions
-from drmas.tasks.search import SearchTask, corpus_hash_for, iter_corpus, load_corpus, load_qa
+from drmas.tasks.search.corpus import corpus_hash_for, iter_corpus, load_corpus, load_qa
+from drmas.tasks.search.task import SearchTask
 
 ROOT = Path(__file__).parent.parent
 CONFIGS = ROOT / "configs"

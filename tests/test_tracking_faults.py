@@ -222,6 +222,7 @@ def test_a_refused_call_is_counted_and_holds_nothing_back(tmp_path):
     assert client.get_run(tracker.mlflow_run_id).info.status == "FINISHED"
 
 
+@pytest.mark.e2e
 def test_drmas_run_survives_the_server_going_away(tmp_path, mlflow_server):
     """``drmas run`` against a server killed once the first iteration is checkpointed:
     exit 0, every checkpoint in the store, the outage and what MLflow lacks on its output."""
@@ -312,11 +313,32 @@ def test_a_pipelines_tracking_steps_never_fail_it(tmp_path, caplog):
     assert all("the pipeline goes on" in w for w in warnings if "not logged" in w)
 
 
-def test_every_mlflow_link_opens_the_model_training_mode():
+def test_every_mlflow_link_opens_the_model_training_mode(tmp_path, mlflow_server):
     """MLflow 3's UI shows an experiment's GenAI pages unless the link's route asks for
-    ``workflowType=machine_learning`` (read from the hash route's query by the UI)."""
+    ``workflowType=machine_learning`` (the UI reads it from the query of the route after
+    the ``#``). The links of a run on a server, behind another address, and in a sqlite
+    file (where ``mlflow ui`` serves it, with that command), and the Kubeflow steps' page."""
+    from drmas.infra.store import Store
     from drmas.infra.tracking import ui_link
+    from drmas.stages.track import track_start
 
     assert ui_link("http://127.0.0.1:5000/", "experiments/3/runs/abc") == (
         "http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
     )
+    served = Tracker(_config(mlflow_server.uri), "linked", str(tmp_path / "runs"))
+    page = f"experiments/{served.experiment_id}/runs/{served.mlflow_run_id}"
+    assert served.where() == f"{mlflow_server.uri}/#/{page}?workflowType=machine_learning"
+    assert served.where("https://mlflow.example.org/") == (
+        f"https://mlflow.example.org/#/{page}?workflowType=machine_learning"
+    )
+    markdown = track_start(_config(mlflow_server.uri), Store(str(tmp_path / "runs")), "linked", 1, {})
+    assert f"]({mlflow_server.uri}/#/{page}?workflowType=machine_learning)" in markdown
+    served.finish()
+    database = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    local = Tracker(_config(database), "local", str(tmp_path / "runs"))
+    page = f"experiments/{local.experiment_id}/runs/{local.mlflow_run_id}"
+    assert local.where() == (
+        f"http://127.0.0.1:5000/#/{page}?workflowType=machine_learning "
+        f"(start the UI first: mlflow ui --backend-store-uri {database})"
+    )
+    local.finish()

@@ -12,83 +12,22 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from helpers import torch_env, torch_launcher
+from helpers import WG, make_run, torch_env, torch_launcher
 from safetensors.torch import load_file
 
 from drmas.algos import compute_advantages
-from drmas.config import load_config
 from drmas.infra.layout import PolicyRef, optim_path, stage_path
 from drmas.infra.schema import BATCH_SCHEMA
 from drmas.infra.store import Store
-from drmas.models import load_model, load_tokenizer
+from drmas.models import load_model
 from drmas.stages.advantage import advantage
-from drmas.stages.policies import init_policies
 from drmas.stages.update import update
-from drmas.tasks import Question
-from drmas.team.episodes import Call, Episode, episodes_to_table
 from drmas.training.batching import collate, token_logprobs
-from drmas.training.engines import TorchEngine, deepspeed_config
+from drmas.training.engines.deepspeed import deepspeed_config
+from drmas.training.engines.torch import TorchEngine
 from drmas.training.state import capture_state, load_state, restore_state, save_state
 
 ROOT = Path(__file__).parent.parent
-TINY = [
-    "models.tiny.hidden_size=32",
-    "models.tiny.intermediate_size=64",
-    "models.tiny.num_layers=1",
-    "data.generated_train_size=40",
-    "data.generated_eval_size=10",
-    "workers.sharing=by_model",
-    "train.lr=0.01",
-]
-WG = "solver-verifier"
-
-
-def make_run(tmp_path: Path, *overrides: str):
-    """A run whose iteration 0 has a rollout artifact made of scripted responses, with the
-    rollout log-probs computed by the initial policy itself at the sampling temperature, as
-    an engine reports them (so the ratio starts at 1)."""
-    config = load_config(ROOT / "configs" / "math_tiny.yaml", [*TINY, *overrides])
-    store = Store(str(tmp_path / "store"))
-    [policy] = init_policies(config, store, "run").values()
-    local = store.open(policy.artifact).download(tmp_path / "init")
-    tokenizer, model = load_tokenizer(local), load_model(local)
-    episodes = []
-    for q, (question, good) in enumerate([("What is 2 + 2?", "\\boxed{4}"), ("What is 3 + 5?", "\\boxed{8}")]):
-        for sample, (solution, reward) in enumerate([(good, 1.0), ("\\boxed{0}", 0.0)]):
-            episode = Episode(
-                f"u{q}",
-                f"u{q}-s{sample}",
-                sample,
-                Question(f"q{q}", question, ("x",), "test"),
-                reward=reward,
-                success=reward > 0,
-            )
-            for agent, text in (("solver", solution), ("verifier", "<verify>approve</verify>")):
-                prompt = tokenizer(f"{question} {agent}", add_special_tokens=False)["input_ids"]
-                response = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                episode.calls.append(Call(agent, WG, 1, prompt, response, [0.0] * len(response), text, True, "stop"))
-            episodes.append(episode)
-    table = episodes_to_table(episodes, "run", 0)
-    rows = table.to_pylist()
-    for row in rows:
-        row["advantage"] = 0.0
-    batch = collate(rows, tokenizer.pad_token_id)
-    with torch.no_grad():
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-        logprobs = (
-            torch.log_softmax(logits / config.rollout.sampling.temperature, dim=-1)
-            .gather(-1, batch.input_ids[:, 1:].unsqueeze(-1))
-            .squeeze(-1)
-        )
-    rollout_logprobs = [logprobs[b][batch.response_mask[b] > 0].tolist() for b in range(len(rows))]
-    table = table.set_column(
-        table.schema.get_field_index("rollout_logprobs"),
-        "rollout_logprobs",
-        pa.array(rollout_logprobs, pa.list_(pa.float32())),
-    )
-    with store.writer(stage_path(config.experiment.name, "run", 0, "rollout")) as out:
-        out.write_table("trajectories.parquet", table)
-    return config, store, policy, tokenizer
 
 
 def response_logprob(store: Store, artifact: str, tokenizer, table: pa.Table, tmp: Path) -> np.ndarray:
@@ -450,9 +389,9 @@ ZERO_PARITY = """
 import sys, tempfile
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from test_update import make_run, WG
+from helpers import make_run, WG
 import drmas.stages.update as U
-import drmas.training.engines as E
+import drmas.training.engines.deepspeed as DS
 from drmas.stages.advantage import advantage
 from drmas.infra.layout import optim_path
 import json
@@ -460,12 +399,12 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from drmas.generation.workers import WorkerGroupRuntime
 from drmas.infra.layout import PolicyRef
 from safetensors.torch import load_file
-config_for = E.deepspeed_config
+config_for = DS.deepspeed_config
 def small_params_partitioned(config, group, world):  # DeepSpeed keeps parameters this small whole otherwise
     ds = config_for(config, group, world)
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     return ds
-E.deepspeed_config = small_params_partitioned
+DS.deepspeed_config = small_params_partitioned
 moved = []  # DeepSpeed's own offload and reload, called by a kept engine between updates
 def recorded(name, real):
     return lambda self, *args, **kwargs: moved.append(name) or real(self, *args, **kwargs)

@@ -11,13 +11,10 @@ import pytest
 from drmas.config import load_config
 from drmas.tasks import Question
 from drmas.tasks.math import answers_match, column_working, generate_arithmetic, math_demonstrations
-from drmas.tasks.search import (
-    Retriever,
-    demonstration_queries,
-    exact_match,
-    generated_facts,
-    search_demonstrations,
-)
+from drmas.tasks.search.answers import exact_match
+from drmas.tasks.search.retrieval import Retriever
+from drmas.tasks.search.task import search_demonstrations
+from drmas.tasks.search.world import demonstration_queries, generated_facts
 from drmas.team.agents import extract_boxed
 
 ROOT = Path(__file__).parent.parent

@@ -29,8 +29,9 @@ How Dr. MAS differs from multi-agent GRPO (arXiv 2602.08847):
     clip for negative advantages, the row's advantage on every response token.
 
 Groups are uneven by construction (agents act a variable number of times), so everything
-below is a segment reduction over integer group codes: keys are factorised once, then
-``np.bincount`` does the sums. There is no loop over rows or groups.
+below is a segment reduction over integer group codes: keys are factorised once
+(``drmas.grouping``), then ``np.bincount`` does the sums. There is no loop over rows or
+groups.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+
+from drmas.grouping import code_names, combine_codes, factorize, key_at
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +57,6 @@ __all__ = [
     "advantage_second_moment_ratio",
     "aggregate_loss",
     "compute_advantages",
-    "factorize",
     "low_var_kl",
     "policy_loss",
     "row_scores",
@@ -103,7 +105,7 @@ def compute_advantages(
         advantages = traj_adv[traj_code]  # [N]
     elif mode == "drmas":
         agent_code, n_agent = factorize(agent)  # [N]
-        group, n_group = _combine_codes(uid_code, agent_code, n_agent)  # [N], S
+        group, n_group = combine_codes(uid_code, agent_code, n_agent)  # [N], S
         advantages = _normalise_in_groups(score, group, n_group, eps, scale_by_std)
     else:
         raise ValueError(f"unknown advantage mode {mode!r}; expected 'grpo' or 'drmas'")
@@ -123,7 +125,7 @@ def _group_of_segment(segment: np.ndarray, group: np.ndarray, n_segments: int, s
     conflict = group_of[segment] != group  # [N]
     if conflict.any():
         row = int(np.flatnonzero(conflict)[0])
-        key = segment_keys[row] if not _is_arrow(segment_keys) else segment_keys[row].as_py()
+        key = key_at(segment_keys, row)
         raise ValueError(f"traj_uid {key!r} (row {row}) belongs to more than one uid")
     return group_of
 
@@ -223,7 +225,7 @@ def agent_reward_stats(score: np.ndarray, agent: Any, *, uid: Any, traj_uid: Any
     _, traj_score, traj_uid_code = _trajectory_scores(score, uid_code, traj_uid)  # [T]
     _, mu, sigma = _group_moments(traj_score, traj_uid_code, n_uid)  # [U]: what grpo uses
     agent_code, n_agent = factorize(agent)  # [N]
-    group, n_group = _combine_codes(uid_code, agent_code, n_agent)  # [N], S
+    group, n_group = combine_codes(uid_code, agent_code, n_agent)  # [N], S
     count, mu_k, sigma_k = _group_moments(score, group, n_group)  # [S]: what drmas uses
     group_uid = np.zeros(n_group, dtype=np.int64)  # [S]
     group_uid[group] = uid_code
@@ -236,7 +238,7 @@ def agent_reward_stats(score: np.ndarray, agent: Any, *, uid: Any, traj_uid: Any
         gap = mu_k - mu[group_uid]  # [S]
         var_ratio = sigma_k**2 / var  # [S]
         inflation = var_ratio + gap**2 / var  # [S]
-    names = _code_names(agent, agent_code, n_agent)
+    names = code_names(agent, agent_code, n_agent)
     rows = np.bincount(agent_code, minlength=n_agent)  # [K]
     stats = {}
     for k in range(n_agent):
@@ -296,22 +298,12 @@ def advantage_second_moment_ratio(grpo: np.ndarray, drmas: np.ndarray, agent: An
     drmas = np.asarray(drmas, dtype=np.float64)  # [N]
     _check_lengths(len(grpo), drmas=drmas, agent=agent)
     codes, n_agents = factorize(agent)  # [N], K
-    names = _code_names(agent, codes, n_agents)
+    names = code_names(agent, codes, n_agents)
     grpo_sq = np.bincount(codes, weights=grpo**2, minlength=n_agents)  # [K]
     drmas_sq = np.bincount(codes, weights=drmas**2, minlength=n_agents)  # [K]
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(drmas_sq > 0, grpo_sq / drmas_sq, np.nan)  # [K]; the row counts cancel
     return {names[k]: float(ratio[k]) for k in range(n_agents)}
-
-
-def _code_names(keys: Any, codes: np.ndarray, n_codes: int) -> list[str]:
-    """The key of each code, read from the first row that has it."""
-    first_row = np.full(n_codes, -1, dtype=np.int64)
-    first_row[codes[::-1]] = np.arange(len(codes) - 1, -1, -1)
-    if _is_arrow(keys):
-        return [str(keys[int(r)].as_py()) if r >= 0 else "" for r in first_row]
-    keys = np.asarray(keys)
-    return [str(keys[r]) if r >= 0 else "" for r in first_row]
 
 
 # --------------------------------------------------------------------------------------
@@ -421,125 +413,3 @@ def policy_loss(
         loss = loss - entropy_coef * mean_entropy
         metrics["entropy"] = mean_entropy.item()
     return loss, metrics
-
-
-# --------------------------------------------------------------------------------------
-# Keys -> integer codes (the machinery under the math: group keys of any type to dense codes)
-# --------------------------------------------------------------------------------------
-
-
-def factorize(keys: Any) -> tuple[np.ndarray, int]:
-    """Map a key column to dense int64 codes in [0, n) and return (codes, n).
-
-    Accepts what the stages hold: numpy arrays (integers, strings or objects), Python
-    lists, and Arrow arrays or chunked arrays, plain or dictionary-encoded (as Parquet
-    gives them with ``read_dictionary``). Strings are hashed by Arrow in C++, which is an
-    order of magnitude faster than sorting them with ``np.unique``.
-    """
-    if _is_arrow(keys):
-        return _factorize_arrow(keys)
-    array = np.asarray(keys)
-    if array.ndim != 1:
-        raise ValueError(f"a key column must be 1-D, got shape {array.shape}")
-    if array.dtype.kind in "iub":
-        uniques, codes = np.unique(array, return_inverse=True)
-        return codes.astype(np.int64, copy=False), len(uniques)
-    return _factorize_arrow(_numpy_strings_to_arrow(array))
-
-
-def _numpy_strings_to_arrow(array: np.ndarray) -> Any:
-    """An Arrow array with the keys of a numpy string column, partitioned alike.
-
-    Converting numpy's UTF-32 strings to Arrow UTF-8 one by one costs more than the rest
-    of the advantage step. ASCII keys (ids, agent names) skip it: their code points, one
-    byte each, are the rows of a fixed-width binary array built over the same buffer
-    layout (NUL padding cannot make two different numpy strings equal: numpy drops
-    trailing NULs). Other keys are converted.
-    """
-    import pyarrow as pa  # noqa: PLC0415 - only string keys need Arrow's hash table
-
-    width = array.dtype.itemsize // 4 if array.dtype.kind == "U" else 0
-    if width:
-        points = np.ascontiguousarray(array).view(np.uint32).reshape(len(array), width)  # [N, width]
-        if not len(array) or int(points.max()) < 128:
-            data = points.astype(np.uint8)  # [N, width], row-major: one key per row
-            return pa.Array.from_buffers(pa.binary(width), len(array), [None, pa.py_buffer(data)])
-    return pa.array(array, type=pa.string())
-
-
-def _is_arrow(obj: Any) -> bool:
-    return type(obj).__module__.startswith("pyarrow")
-
-
-def _factorize_arrow(column: Any) -> tuple[np.ndarray, int]:
-    """Codes of an Arrow key column, hashing as few strings as the layout allows.
-
-    - Dictionary-encoded with small dictionaries (agent names): unify the dictionaries
-      and read the indices; no string is hashed twice.
-    - Keys in long runs (trajectory files keep an episode's and a prompt's rows together):
-      find the runs with a cheap scan and hash one string per run.
-    - Otherwise hash every row in C++ (Arrow's hash table).
-    """
-    import pyarrow as pa  # noqa: PLC0415
-
-    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
-    nulls = sum(chunk.null_count for chunk in chunks)
-    if nulls:
-        raise ValueError(f"a key column has {nulls} null value(s)")
-    rows = sum(len(chunk) for chunk in chunks)
-    if rows == 0:
-        return np.zeros(0, dtype=np.int64), 0
-    if pa.types.is_dictionary(chunks[0].type):
-        if sum(len(chunk.dictionary) for chunk in chunks) <= rows // 4:
-            unified = pa.chunked_array(chunks).unify_dictionaries()
-            return _indices(unified.chunks), len(unified.chunk(0).dictionary)
-        value_type = chunks[0].type.value_type
-    else:
-        value_type = chunks[0].type
-    if not _has_long_runs(chunks[0]):
-        encoded = pa.chunked_array(chunks).cast(value_type).dictionary_encode()
-        return _indices(encoded.chunks), max(len(c.dictionary) for c in encoded.chunks)
-    runs = [_runs(chunk) for chunk in chunks]
-    encoded = pa.chunked_array([values for values, _ in runs], type=value_type).dictionary_encode()
-    lengths = np.concatenate([lengths for _, lengths in runs])
-    return np.repeat(_indices(encoded.chunks), lengths), max(len(c.dictionary) for c in encoded.chunks)
-
-
-def _indices(chunks: list[Any]) -> np.ndarray:
-    arrays = [chunk.indices.to_numpy(zero_copy_only=False) for chunk in chunks]
-    return np.concatenate(arrays).astype(np.int64, copy=False)
-
-
-def _has_long_runs(chunk: Any, sample: int = 4096) -> bool:
-    """Whether the first rows come in runs of 4 or more on average."""
-    _, lengths = _runs(chunk.slice(0, sample))
-    return len(lengths) * 4 <= min(len(chunk), sample)
-
-
-def _runs(chunk: Any) -> tuple[Any, np.ndarray]:
-    """(one value per run of equal keys, run lengths) of one Arrow chunk."""
-    import pyarrow as pa  # noqa: PLC0415
-    import pyarrow.compute as pc  # noqa: PLC0415
-
-    if pa.types.is_dictionary(chunk.type):
-        indices = chunk.indices.to_numpy(zero_copy_only=False)
-        starts = np.flatnonzero(np.r_[True, indices[1:] != indices[:-1]]) if len(indices) else indices
-        lengths = np.diff(np.r_[starts, len(indices)])
-        return chunk.dictionary.take(pa.array(indices[starts])), lengths
-    encoded = pc.run_end_encode(chunk)
-    ends = encoded.run_ends.to_numpy(zero_copy_only=False)
-    return encoded.values, np.diff(np.r_[0, ends])
-
-
-def _combine_codes(major: np.ndarray, minor: np.ndarray, n_minor: int) -> tuple[np.ndarray, int]:
-    """Codes of the pair (major, minor) without a sort: major * n_minor + minor.
-
-    Unused pairs leave empty bins, which cost memory only; when the product would be much
-    larger than the data, the codes are compacted instead.
-    """
-    n_major = int(major.max()) + 1 if len(major) else 0
-    combined = major * n_minor + minor  # [N]
-    if n_major * n_minor <= 4 * len(major) + 1024:
-        return combined, n_major * n_minor
-    uniques, codes = np.unique(combined, return_inverse=True)
-    return codes.astype(np.int64, copy=False), len(uniques)

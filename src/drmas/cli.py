@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     import_cmd.set_defaults(handler=_import_gguf)
 
-    # The service's command parses its own arguments (drmas.tasks.retrieval_service.main).
+    # The service's command parses its own arguments (drmas.tasks.search.service.main).
     commands.add_parser(
         "serve-retrieval",
         add_help=False,
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve-retrieval"]:
-        from drmas.tasks.retrieval_service import main as serve  # noqa: PLC0415
+        from drmas.tasks.search.service import main as serve  # noqa: PLC0415
 
         logging.getLogger("bm25s").setLevel(logging.WARNING)
         return serve(argv[1:])
@@ -240,7 +240,7 @@ def _stopping_errors() -> tuple[type[Exception], ...]:
     from drmas.generation.pool import WorkerGroupDied  # noqa: PLC0415
     from drmas.infra.store import StoreError  # noqa: PLC0415
     from drmas.infra.tracking import TrackingUnavailable  # noqa: PLC0415
-    from drmas.tasks.retrieval_client import RetrievalError  # noqa: PLC0415
+    from drmas.tasks.search.client import RetrievalError  # noqa: PLC0415
 
     return StoreError, ValueError, TrackingUnavailable, WorkerGroupDied, RetrievalError
 
@@ -342,10 +342,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if table := summary_table(summary, config.eval.k):
         print(table)
-    print(
-        f"checkpoint: {summary.checkpoint}\nreport: {summary.report}/report.md\n"
-        f"mlflow: {summary.tracking} (browse with: make ui)"
-    )
+    print(f"checkpoint: {summary.checkpoint}\nreport: {summary.report}/report.md\nmlflow: {summary.tracking}")
     return 0
 
 

@@ -461,7 +461,7 @@ def _training_state(config: DrmasConfig, params: int, dtype_bytes: int, adapters
     """Per slot: (weights, gradients, optimizer state), standard ZeRO accounting (Rajbhandari
     et al. 2020, "ZeRO", §5): under bf16 mixed precision 2Ψ weights, 2Ψ gradients (4Ψ where
     they accumulate in fp32: the torch engine; DeepSpeed's ZeRO-2 and -3, and ZeRO-1 with
-    offload, whose fp32 copy is not partitioned: ``drmas.training.engines.deepspeed_config``)
+    offload, whose fp32 copy is not partitioned: ``drmas.training.engines.deepspeed.deepspeed_config``)
     and 12Ψ fp32 master weights + Adam moments; in float32 weights, gradients and Adam's two
     moments at 4 bytes. A LoRA group trains only its adapters' parameters (fp32) beside its
     frozen base. ZeRO-1 partitions the optimizer state over the data-parallel slots, ZeRO-2

@@ -17,13 +17,13 @@ __all__ = ["BUILTIN_ORCHESTRAS", "BUILTIN_TASKS", "get_task", "load_orchestra", 
 
 BUILTIN_TASKS: dict[str, str] = {
     "math": "drmas.tasks.math:MathTask",  # Solver <-> Verifier on arithmetic, GSM8K, MATH, DAPO
-    "search": "drmas.tasks.search:SearchTask",  # Verifier routes to Search or Answer over BM25
+    "search": "drmas.tasks.search.task:SearchTask",  # Verifier routes to Search or Answer over BM25
 }
 
 BUILTIN_ORCHESTRAS: dict[str, str] = {
     "math": "drmas.tasks.math:MathOrchestra",  # Solver <-> Verifier refinement loop
     "solo": "drmas.tasks.math:SoloOrchestra",  # one Solver call: single-agent GRPO
-    "search": "drmas.tasks.search:SearchOrchestra",  # Verifier routes to Search or Answer
+    "search": "drmas.tasks.search.task:SearchOrchestra",  # Verifier routes to Search or Answer
 }
 
 

@@ -251,7 +251,7 @@ def train(
         log.info("run %s: all %d iterations are complete; nothing left to do", run_id, total)
         return RunSummary(run_id, 0, start.next_iteration - 1, {})
     tracker = Tracker(config, run_id, store.root, config_path)
-    log.info("tracking: %s", tracker.url)
+    log.info("tracking: %s", tracker.where(config.tracking.ui_url))
     metrics: dict[str, float] = {}
     before: dict[str, float] = {}
     last_checkpoint = ""
@@ -299,7 +299,8 @@ def train(
     except BaseException:
         tracker.finish("KILLED")
         raise
-    summary = RunSummary(run_id, total - start.next_iteration, total - 1, metrics, before, tracker.url, last_checkpoint)
+    link = tracker.where(config.tracking.ui_url)
+    summary = RunSummary(run_id, total - start.next_iteration, total - 1, metrics, before, link, last_checkpoint)
     finish_run(config, store, run_id, tracker, summary, {wg: ref.artifact for wg, ref in policies.items()})
     return summary
 

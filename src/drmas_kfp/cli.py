@@ -362,6 +362,8 @@ def _submit(
 
 
 def run_kfp_local(args: argparse.Namespace) -> int:
+    """``drmas run --via kfp-local``: the pipeline with kfp.local on this machine (finished
+    tasks cached, so the same command continues), then what the embedded runner prints."""
     config, run_id = start_run(args)
     if (refused := refuse_unless_it_fits(args.command, config)) is not None:
         return refused
@@ -421,4 +423,4 @@ def _print_pipeline_summary(args: argparse.Namespace, config: DrmasConfig, run_i
     report = f"{run_path(config.experiment.name, run_id)}/report"
     if store.exists(report) and TRACKING_FILE in store.open(report).files:
         tracking = json.loads(store.open(report).read_bytes(TRACKING_FILE))
-        print(f"report: {store.uri(report)}/report.md\nmlflow: {tracking['uri']}")
+        print(f"report: {store.uri(report)}/report.md\nmlflow: {tracking.get('link', tracking['uri'])}")

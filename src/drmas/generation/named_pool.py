@@ -4,7 +4,9 @@ joins the cluster), listed (``drmas pool status``) and freed (``drmas pool down`
 a run, or a worker's idle watchdog).
 
 Its own module because both sides need it: the driver's pool (``generation.pool``) and the
-workers themselves (``generation.workers``, whose watchdog frees an idle pool).
+workers themselves (``generation.workers``, whose watchdog frees an idle pool). Its functions
+import Ray themselves: ``generation.workers`` is also imported where no Ray runs (the warm
+start's prompt truncation, the rollout's result type).
 """
 
 from __future__ import annotations

@@ -22,7 +22,9 @@ with the other groups' workers there (each asks for 1/k of the slot).
   (``drmas eval``) lives as long as the object.
 
 Ray starts locally by default (bound to 127.0.0.1) and joins a cluster when
-``ray.address`` is set (e.g. the KubeRay head service).
+``ray.address`` is set (e.g. the KubeRay head service): ``drmas.generation.ray_session``.
+This module imports Ray at its top, as everything that drives the pool needs it (the
+runner, the rollout, update and evaluation stages); ``PoolOnDemand`` defers starting it.
 
 A worker that dies (its process killed, its node lost) is restarted by Ray (up to
 ``ACTOR_RESTARTS`` times per pool); the pool sees the failed call (or the restarted
@@ -46,12 +48,17 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from drmas.config import DrmasConfig, SamplingConfig
 from drmas.generation.named_pool import NAMESPACE, free_pool, named_placement_group, pool_name, run_workers, worker_name
 from drmas.generation.ray_session import ray_session, slot_request
 from drmas.generation.workers import GenerationResult, PolicyNotLoaded, WorkerGroupRuntime
 from drmas.infra.cpus import cpu_threads
 from drmas.infra.layout import PolicyRef
+from drmas.infra.progress import Mirror
 from drmas.infra.store import Store
 
 __all__ = ["ACTOR_RESTARTS", "PoolOnDemand", "RayPool", "WorkerGroupDied"]
@@ -63,6 +70,11 @@ ACTOR_RESTART_TIMEOUT_S = 120.0
 """How long to wait for Ray to bring a dead actor back (it reloads torch and the model)."""
 COLLECTIVE_TIMEOUT_S = 600.0
 """How long a rank of an update waits for the others in a collective before failing."""
+PROGRESS_GROUP = "progress"
+"""The workers' concurrency group (a thread of its own) in which the pool asks how far an
+update is while the default group runs it."""
+PROGRESS_POLL_S = 2.0
+"""How often the pool asks a training worker how far it is (``drmas.infra.progress``)."""
 
 
 class WorkerGroupDied(RuntimeError):
@@ -104,9 +116,6 @@ class RayPool:
     # -- building --------------------------------------------------------------------------
 
     def _placement(self):
-        import ray  # noqa: PLC0415
-        from ray.util.placement_group import placement_group  # noqa: PLC0415
-
         placement = named_placement_group(self.prefix) if self.run else None
         if placement is None:
             bundles = [{self.config.ray.pool_resource: 1.0}] * self.config.ray.pool_size
@@ -118,9 +127,6 @@ class RayPool:
     def _worker(self, wg: str, slot: int):
         """The worker of ``wg`` on ``slot``: found by name when the run's pool has it, else
         created (detached for a run's pool, so that it outlives this stage)."""
-        import ray  # noqa: PLC0415
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
-
         name = worker_name(self.prefix, wg, slot)
         if self.run:
             try:
@@ -129,7 +135,7 @@ class RayPool:
                 pass
         group = self.groups[wg]
         sharing = sum(1 for other in self.slots.values() if slot in other)
-        actor_class = ray.remote(WorkerGroupRuntime)
+        actor_class = ray.remote(concurrency_groups={PROGRESS_GROUP: 1})(WorkerGroupRuntime)
         handle = actor_class.options(
             num_cpus=0,
             **slot_request(self.config.ray.pool_resource, 1.0 / sharing),
@@ -150,6 +156,7 @@ class RayPool:
             system_prompt=group.system_prompt,
             cache_dir=self.cache_dir,
             threads=max(1, self.threads // len(self.slots[wg])),
+            relay=True,
         )
         self.started += 1
         if self.run:
@@ -158,8 +165,6 @@ class RayPool:
 
     def _adopt_warm_state(self) -> None:
         """What found workers hold: resident engines, and process groups already formed."""
-        import ray  # noqa: PLC0415
-
         if self.started == sum(len(w) for w in self.workers.values()):
             return
         for wg, workers in self.workers.items():
@@ -180,9 +185,6 @@ class RayPool:
     def close(self) -> None:
         """Leave the pool: a run's pool stays for the run's next stage; another is removed."""
         if not self.run:
-            import ray  # noqa: PLC0415
-            from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
-
             for workers in self.workers.values():
                 for worker in workers:
                     ray.kill(worker, no_restart=True)
@@ -225,14 +227,12 @@ class RayPool:
         """Run ``fn(worker, *args)`` in every worker of ``wg`` at once, as the ranks of its
         process group, after the engines on its slots released their memory; returns rank
         0's result. A worker lost meanwhile: the group is rebuilt and ``fn`` runs again."""
-        import ray  # noqa: PLC0415
-
         while True:
             self._release_slots(wg)
             self._form_group(wg)
             refs = [worker.run.remote(fn, *args) for worker in self.workers[wg]]
             try:
-                return _first_failure_or_all(refs)[0]
+                return _first_failure_or_all(refs, watched=self.workers[wg][0])[0]
             except Exception:
                 # A rank whose peer died fails in its collective (gloo: "connection reset")
                 # as soon as Ray reports the death, or sooner: ask every rank.
@@ -264,8 +264,6 @@ class RayPool:
     def _form_group(self, wg: str) -> None:
         """Make the group's workers the ranks of one process group, if they are not yet:
         a file rendezvous when they share a node (nothing listens), else TCP at rank 0."""
-        import ray  # noqa: PLC0415
-
         workers = self.workers[wg]
         if wg in self.formed:
             return
@@ -284,8 +282,6 @@ class RayPool:
 
     def _rebuild(self, wg: str) -> None:
         """Replace the group's workers with fresh ones holding its policy (from the store)."""
-        import ray  # noqa: PLC0415
-
         for worker in self.workers[wg]:
             ray.kill(worker, no_restart=True)
         self.resident.pop(wg, None)
@@ -306,7 +302,6 @@ class RayPool:
         """``method`` on every worker of ``wg`` at once (``per_worker``: rank -> (first,
         messages), the generate split); results by rank. A call that fails because its
         worker died is repeated through ``_call``, which brings the worker back."""
-        import ray  # noqa: PLC0415
 
         def arguments(rank: int) -> tuple[tuple, dict]:
             if per_worker is None:
@@ -332,8 +327,6 @@ class RayPool:
     def _call(self, wg: str, rank: int, method: str, *args: object, **kwargs: object):
         """Call one worker's method; if the worker died, let Ray restart it, bring it back to
         the state the pool believes it is in, and call again."""
-        import ray  # noqa: PLC0415
-
         failure: Exception | None = None
         for _ in range(ACTOR_RESTARTS + 2):
             try:
@@ -348,8 +341,6 @@ class RayPool:
 
     def _came_back_empty(self, wg: str, rank: int, method: str, error: Exception) -> bool:
         """Wait (bounded) until the worker answers again; True if it is a restarted, empty one."""
-        import ray  # noqa: PLC0415
-
         deadline = time.monotonic() + ACTOR_RESTART_TIMEOUT_S
         while True:
             try:
@@ -412,22 +403,34 @@ class RayPool:
         self.resident.move_to_end(wg)
 
 
-def _first_failure_or_all(refs: list) -> list:
+def _first_failure_or_all(refs: list, watched: Any = None) -> list:
     """Every result, or the first failure as soon as it happens (the other ranks of a
-    collective would wait for the failed one until their timeout)."""
-    import ray  # noqa: PLC0415
-
-    pending = list(refs)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
-        ray.get(ready[0])
+    collective would wait for the failed one until their timeout). Meanwhile the progress
+    of ``watched`` (a worker running one of them) is shown here."""
+    pending, mirror = list(refs), Mirror()
+    try:
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=PROGRESS_POLL_S if watched else None)
+            if ready:
+                ray.get(ready[0])
+            else:
+                mirror.show(_progress_of(watched))
+    finally:
+        mirror.close()
     return ray.get(refs)
+
+
+def _progress_of(worker: Any) -> list[dict[str, Any]]:
+    """What ``worker`` relays of its work's progress; nothing when it cannot say now (it
+    is being restarted): progress is for a person watching and never fails a stage."""
+    try:
+        return ray.get(worker.progress.options(concurrency_group=PROGRESS_GROUP).remote(), timeout=PROGRESS_POLL_S)
+    except (ray.exceptions.RayError, ValueError):
+        return []
 
 
 def _failures(refs: list, wait_s: float = 30.0) -> list[Exception]:
     """The errors of the ranks that failed, after waiting (bounded) for every rank to end."""
-    import ray  # noqa: PLC0415
-
     ray.wait(refs, num_returns=len(refs), timeout=wait_s)
     failures = []
     for ref in refs:
@@ -441,8 +444,6 @@ def _failures(refs: list, wait_s: float = 30.0) -> list[Exception]:
 
 
 def _all_done(refs: list) -> bool:
-    import ray  # noqa: PLC0415
-
     _, pending = ray.wait(refs, num_returns=len(refs), timeout=5.0)
     return not pending
 

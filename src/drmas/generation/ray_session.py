@@ -49,7 +49,7 @@ def connect_ray(config: DrmasConfig, temp_dir: Path | None = None) -> bool:
         # drmas-ray-token Secret on the pods that drive the pool).
         os.environ.setdefault(LOOPBACK_ONLY, "0")
         os.environ.setdefault(LOCAL_AUTH[0], LOCAL_AUTH[1])
-    import ray  # noqa: PLC0415
+    import ray  # noqa: PLC0415 - after the environment above: Ray reads LOOPBACK_ONLY when imported
 
     if ray.is_initialized():
         return False

@@ -36,12 +36,13 @@ from drmas.generation.engines import make_engine, request_seeds
 from drmas.generation.lora import ADAPTER_CONFIG, lora_base, merge_lora, read_adapter
 from drmas.generation.named_pool import free_pool
 from drmas.infra.layout import PolicyRef
+from drmas.infra.progress import relay_progress, relayed
 from drmas.infra.store import Artifact, Store
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GenerationResult", "PolicyNotLoaded", "WorkerGroupRuntime", "truncate_prompt"]
+__all__ = ["GenerationResult", "PolicyNotLoaded", "WorkerGroupRuntime", "stop_token_ids", "truncate_prompt"]
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,12 @@ class WorkerGroupRuntime:
         truncation: Literal["middle", "left"] = "middle",
         chat_template_kwargs: TemplateVariables | None = None,
         system_prompt: str | None = None,
+        relay: bool = False,
     ) -> None:
+        """``relay``: this runtime is a pool's actor, whose output nobody watches: the
+        progress of its work is kept for ``progress()`` (the pool shows it on its console)."""
+        if relay:
+            relay_progress()
         if threads:
             import torch  # noqa: PLC0415 - only where a runtime is made: the rollout driver never needs it
 
@@ -116,7 +122,7 @@ class WorkerGroupRuntime:
             while True:
                 time.sleep(min(timeout_s / 4, 30.0))
                 if not self.busy and time.monotonic() - self.last_used > timeout_s:
-                    import ray  # noqa: PLC0415
+                    import ray  # noqa: PLC0415 - only inside an actor
 
                     free_pool(experiment, run_id, keep=ray.get_runtime_context().current_actor)
                     return
@@ -143,7 +149,7 @@ class WorkerGroupRuntime:
             self.engine.load(local if base is None else self._merged(local, base))
         except PolicyError as error:  # it names the local cache: say where the policy is stored
             raise PolicyError(f"{artifact.uri}: {str(error).removeprefix(f'{local}: ')}") from None
-        self.stop_ids = _stop_ids(self.tokenizer)
+        self.stop_ids = stop_token_ids(self.tokenizer)
         self.version = version
         return True
 
@@ -265,6 +271,12 @@ class WorkerGroupRuntime:
             raise PolicyNotLoaded(f"worker group {self.name!r}: resume() before load_policy()")
         self.engine.resume()
 
+    def progress(self) -> list[dict[str, Any]]:
+        """How far the work running in this worker is (``drmas.infra.progress.relayed``):
+        the pool asks in a concurrency group of its own while ``run`` trains. Not a call
+        that keeps the pool alive (``watch_idle``)."""
+        return relayed()
+
     def status(self) -> dict[str, object]:
         return {
             "name": self.name,
@@ -331,7 +343,7 @@ def _empty_device_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def _stop_ids(tokenizer) -> list[int]:
+def stop_token_ids(tokenizer) -> list[int]:
     """End-of-turn and end-of-text tokens: generation stops at any of them."""
     candidates = [tokenizer.eos_token_id]
     for token in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):

@@ -48,7 +48,7 @@ from typing import Any
 
 from drmas.config import DrmasConfig
 
-__all__ = ["HTTP_LIMITS", "UI_MODE", "Tracker", "TrackingUnavailable", "tracking_uri", "ui_link"]
+__all__ = ["HTTP_LIMITS", "LOCAL_UI", "UI_MODE", "Tracker", "TrackingUnavailable", "tracking_uri", "ui_link"]
 
 log = logging.getLogger("drmas")
 
@@ -188,9 +188,14 @@ runs) unless a link chooses the model-training mode (runs, metrics, models): the
 setting of the whole UI, read from this parameter of the page's route."""
 
 
+LOCAL_UI = "http://127.0.0.1:5000"
+"""Where ``mlflow ui`` (and ``make ui``) serves a store by default."""
+
+
 def ui_link(base: str, page: str) -> str:
     """A link to ``page`` (e.g. ``experiments/1/runs/abc``) of the MLflow UI at ``base``, in
-    its model-training mode: every MLflow link drmas prints is made here."""
+    its model-training mode: every MLflow link drmas prints is made here. The UI is a
+    single-page app routed after the ``#``; it reads the mode from the route's query."""
     return f"{base.rstrip('/')}/#/{page}?{UI_MODE}"
 
 
@@ -276,12 +281,22 @@ class Tracker:
         return f"{_redacted(self.uri)} (experiment {self.experiment_id}, run {self.mlflow_run_id})"
 
     def link(self, ui: str | None = None) -> str:
-        """The run's page in the MLflow UI at ``ui`` (default: the tracking server), or, for
-        a sqlite store, how to open it."""
-        base = (ui or self.uri).rstrip("/")
-        if not base.startswith(("http://", "https://")):
-            return f"{self.url}; open it with: mlflow ui --backend-store-uri {_redacted(self.uri)}"
+        """The run's page in the MLflow UI at ``ui`` (default: the tracking server; for a
+        store that no server serves, a sqlite file, ``mlflow ui`` over it: ``to_start``)."""
+        base = ui or (LOCAL_UI if self.to_start() else self.uri)
         return ui_link(_redacted(base), f"experiments/{self.experiment_id}/runs/{self.mlflow_run_id}")
+
+    def to_start(self, ui: str | None = None) -> str:
+        """What to start before the run's link opens: the MLflow UI over a store that no
+        server serves (a sqlite file), unless ``ui`` names the UI to open."""
+        if ui or self.uri.startswith(("http://", "https://")):
+            return ""
+        return f"mlflow ui --backend-store-uri {_redacted(self.uri)}"
+
+    def where(self, ui: str | None = None) -> str:
+        """The run's link and, when needed, what to start first: for a person to read."""
+        start = self.to_start(ui)
+        return self.link(ui) + (f" (start the UI first: {start})" if start else "")
 
     # --- delivery: buffer, circuit breaker, accounting -------------------------------------
 

@@ -82,7 +82,7 @@ def evaluate(
     pool.load(policies)
     orchestra, team = build_team(config, task_tools(config, store), pool, seed=config.experiment.seed + 7919)
     team.sampling = {agent.name: config.eval.sampling for agent in config.agents}
-    episodes = play(orchestra, team, questions, k, prefix="eval")
+    episodes = play(orchestra, team, questions, k, prefix="eval", title=f"evaluate {len(questions)} questions x {k}")
     metrics = success_at_k(episodes, k) | agent_call_metrics(episodes, list(team.agents), prefix="eval/agent")
     metrics["time/evaluate"] = time.perf_counter() - started
     table = pa.table(

@@ -23,6 +23,7 @@ import numpy as np
 from drmas.config import DrmasConfig, SamplingConfig
 from drmas.generation.workers import GenerationResult
 from drmas.infra.layout import PolicyRef, StageResult, stage_path
+from drmas.infra.progress import Progress
 from drmas.infra.schema import TRAJECTORY_SCHEMA
 from drmas.infra.store import Store
 from drmas.registry import load_orchestra
@@ -61,6 +62,8 @@ class TeamOnPool:
     generate_calls: int = 0
     tokens: int = 0
     calls_per_agent: dict[str, int] = field(default_factory=dict)
+    progress: Progress | None = None
+    """Counts the agent calls answered (``play`` sets it)."""
 
     def call(self, agent: str, episodes: list[Episode], step: int) -> list[Parsed]:
         if not episodes:
@@ -89,6 +92,8 @@ class TeamOnPool:
             )
             self.tokens += len(result.response_ids)
             parsed.append(reading)
+        if self.progress is not None:
+            self.progress.update(len(episodes), agent=agent)
         return parsed
 
 
@@ -137,14 +142,21 @@ def build_team(config: DrmasConfig, tools: Tools, pool: GeneratePool, seed: int)
     return orchestra, team
 
 
-def play(orchestra: Any, team: TeamOnPool, questions: list[Question], group_size: int, prefix: str) -> list[Episode]:
-    """``group_size`` episodes per question, played to the end and scored."""
+def play(
+    orchestra: Any, team: TeamOnPool, questions: list[Question], group_size: int, prefix: str, title: str = "play"
+) -> list[Episode]:
+    """``group_size`` episodes per question, played to the end and scored. How many agent
+    calls are answered is shown as they are (``title``: whose): an orchestra plays all
+    episodes at once, a batched call per agent and step, and how many calls an episode
+    takes is its own affair, so a count and a rate, no share. Lines only when it is slow:
+    the iteration's line reports its end."""
     episodes = [
         Episode(uid=f"{prefix}-{q.qid}", traj_uid=f"{prefix}-{q.qid}-s{j}", sample_idx=j, question=q)
         for q in questions
         for j in range(group_size)
     ]
-    orchestra.run(episodes, team)
+    with Progress(None, f"{title} ({len(episodes)} episodes)", unit="call", final_line=False) as team.progress:
+        orchestra.run(episodes, team)
     for episode in episodes:
         episode.reward = float(orchestra.reward(episode))
         episode.success = episode.reward >= 1.0
@@ -167,7 +179,9 @@ def rollout(
     questions = draw_questions(task_questions(config, "train"), config.rollout.prompts_per_iteration, iteration, seed)
     pool.load(policies)
     orchestra, team = build_team(config, task_tools(config, store), pool, seed=seed * 1_000_003 + iteration)
-    episodes = play(orchestra, team, questions, config.rollout.group_size, prefix=f"i{iteration}")
+    episodes = play(
+        orchestra, team, questions, config.rollout.group_size, prefix=f"i{iteration}", title=f"rollout {iteration}"
+    )
     table = episodes_to_table(episodes, run_id, iteration)
     seconds = time.perf_counter() - started
     metrics = rollout_metrics(episodes, team, seconds)

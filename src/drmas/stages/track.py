@@ -75,6 +75,7 @@ class RunSummary:
     before: dict[str, float] = field(default_factory=dict)
     """Evaluation of the starting policies (empty when the run was resumed or has no eval)."""
     tracking: str = ""
+    """Where the MLflow run is, for a person: its link (``Tracker.where``)."""
     checkpoint: str = ""
     report: str = ""
 
@@ -148,7 +149,14 @@ def finish_run(
         folder = Path(scratch) / "report"
         files = write_report(config, history, folder, summary_table(summary, config.eval.k))
         (folder / TRACKING_FILE).write_text(
-            json.dumps({"uri": summary.tracking, "experiment_id": tracker.experiment_id, "run": tracker.mlflow_run_id})
+            json.dumps(
+                {
+                    "uri": tracker.url,
+                    "link": summary.tracking,
+                    "experiment_id": tracker.experiment_id,
+                    "run": tracker.mlflow_run_id,
+                }
+            )
         )
         with store.writer(path, overwrite=True, meta={"stage": "report"}) as out:
             out.put_dir(folder, "")
@@ -225,7 +233,7 @@ def track_start(config: DrmasConfig, store: Store, run_id: str, first_iteration:
         tracker.close()
     except Exception as error:  # tracking never fails the pipeline: see _not_logged
         return _page(config, store, run_id, None, problem=_not_logged("the start of the run", error))
-    log.info("tracking: %s", tracker.link(config.tracking.ui_url))
+    log.info("tracking: %s", tracker.where(config.tracking.ui_url))
     return _page(config, store, run_id, tracker)
 
 
@@ -263,7 +271,7 @@ def track_end(config: DrmasConfig, store: Store, run_id: str, last_iteration: in
     )
     try:
         tracker = _open(config, store, run_id)
-        summary.tracking = tracker.url
+        summary.tracking = tracker.where(config.tracking.ui_url)
         if last_iteration == config.total_iterations - 1:
             groups = [group.name for group in config.worker_groups()]
             policies = {wg: policy_path(config.experiment.name, run_id, last_iteration, wg) for wg in groups}
@@ -288,9 +296,9 @@ def _page(
     and the store are and, at the end, the headline figures of every iteration."""
     lines = [f"# drmas run `{run_id}`", ""]
     if tracker is not None:
-        link = tracker.link(config.tracking.ui_url)
-        name = f"{tracker.experiment_name} / {run_id}"
-        lines.append(f"- MLflow: [{name}]({link})" if link.startswith("http") else f"- MLflow: `{link}`")
+        ui = config.tracking.ui_url
+        start = f" (start the UI first: `{tracker.to_start(ui)}`)" if tracker.to_start(ui) else ""
+        lines.append(f"- MLflow: [{tracker.experiment_name} / {run_id}]({tracker.link(ui)}){start}")
     else:
         lines.append(f"- MLflow: {problem}")
     lines.append(f"- store: `{store.uri(run_path(config.experiment.name, run_id))}`")

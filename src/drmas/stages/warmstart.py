@@ -73,7 +73,8 @@ def warmstart(config: DrmasConfig, store: Store, run_id: str, init: dict[str, Po
         _warm_in_turn(todo, threads=_thread_share(len(todo)))
     elif todo:
         with ProcessPoolExecutor(max_workers=len(todo), mp_context=multiprocessing.get_context("spawn")) as workers:
-            for done in [workers.submit(_warm_one, *job, threads=_thread_share(len(todo))) for job in todo]:
+            share = _thread_share(len(todo))
+            for done in [workers.submit(_warm_one, *job, threads=share, position=n) for n, job in enumerate(todo)]:
                 done.result()  # re-raises a group's failure here
     return result
 
@@ -116,8 +117,10 @@ def _warm_one(
     pairs: list[tuple[str, str]],
     key: str,
     threads: int,
+    position: int | None = None,
 ) -> None:
-    """Fine-tune one worker group and write its policy artifact (manifest last)."""
+    """Fine-tune one worker group and write its policy artifact (manifest last);
+    ``position``: its progress bar's line, when groups train in processes side by side."""
     from drmas.config import StoreConfig  # noqa: PLC0415
 
     torch.set_num_threads(threads)
@@ -126,7 +129,7 @@ def _warm_one(
     rng = np.random.default_rng([config.experiment.seed, 17, index])
     with tempfile.TemporaryDirectory() as scratch:
         local = store.open(init.artifact).download(Path(scratch) / "init", prefix=init.prefix)
-        metrics = _fine_tune(config, local, pairs, rng, Path(scratch) / "out", label=wg)
+        metrics = _fine_tune(config, local, pairs, rng, Path(scratch) / "out", label=wg, position=position)
         with store.writer(path, overwrite=True, meta={"stage": "warmstart", "wg": wg, "cache_key": key}) as out:
             out.put_dir(Path(scratch) / "out", "")
             out.write_json("metrics.json", metrics)
@@ -145,7 +148,13 @@ def _by_length(rows: list[dict], parts: int) -> list[list[dict]]:
 
 
 def _fine_tune(
-    config: DrmasConfig, folder: Path, pairs: list[tuple[str, str]], rng: np.random.Generator, out: Path, label: str
+    config: DrmasConfig,
+    folder: Path,
+    pairs: list[tuple[str, str]],
+    rng: np.random.Generator,
+    out: Path,
+    label: str,
+    position: int | None = None,
 ) -> dict[str, float]:
     """Cross-entropy on response tokens, AdamW with cosine decay, fixed steps."""
     warm = config.warmstart
@@ -175,7 +184,7 @@ def _fine_tune(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, warm.steps) / warm.steps))
     )
     started, losses = time.perf_counter(), []
-    progress = Progress(warm.steps, f"warm start {label}", unit="step")
+    progress = Progress(warm.steps, f"warm start {label}", unit="step", position=position)
     for _ in range(warm.steps):
         drawn = [rows[i] for i in rng.integers(0, len(rows), size=warm.batch_size)]
         tokens = sum(len(row["response_ids"]) for row in drawn)

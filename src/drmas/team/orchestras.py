@@ -26,9 +26,10 @@ the config as ``task.orchestra: my_package.my_module:PlanThenCode``:
             return get_task("math").reward(episode.final_answer, episode.question)
 
 The built-in orchestras live with their tasks (``drmas.tasks.math``: MathOrchestra,
-SoloOrchestra; ``drmas.tasks.search``: SearchOrchestra); this module holds what every
-orchestra shares: the ``Team`` it calls agents through, the ``Tools`` its task gives it and
-how a verifier's verdict decides.
+SoloOrchestra; ``drmas.tasks.search.task``: SearchOrchestra); this module holds what every
+orchestra shares: the ``Team`` it calls agents through, the ``Tools`` its task gives it (a
+retriever is any ``Searcher`` of ``Passage``s, so that ``Tools`` can name its type) and how a
+verifier's verdict decides.
 
 A new task (its data, tools, reward and default orchestra) is a ``drmas.tasks.Task``; see
 docs/tasks.md.
@@ -42,7 +43,7 @@ from typing import Protocol
 from drmas.team.agents import Agent, Parsed
 from drmas.team.episodes import Episode
 
-__all__ = ["Orchestra", "Team", "Tools", "verdict_passes"]
+__all__ = ["Orchestra", "Passage", "Searcher", "Team", "Tools", "verdict_passes"]
 
 
 class Team(Protocol):
@@ -62,8 +63,8 @@ class Passage:
 
 class Searcher(Protocol):
     """What the search orchestra and the warm start retrieve through: the in-process
-    ``drmas.tasks.search.Retriever``, or ``drmas.tasks.retrieval_client.RetrievalClient``
-    for a served one."""
+    ``drmas.tasks.search.retrieval.Retriever``, or
+    ``drmas.tasks.search.client.RetrievalClient`` for a served one."""
 
     def search(self, queries: list[str], k: int) -> list[list[Passage]]:
         """The best ``k`` passages for each query, best first."""

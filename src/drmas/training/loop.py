@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from drmas.algos import LossAggregation, aggregate_loss, policy_loss
 from drmas.config import DrmasConfig
+from drmas.infra.progress import Progress
 from drmas.training.batching import (
     MicroBatch,
     collate,
@@ -56,9 +57,17 @@ def train_worker_group(
         _recompute_old_logprobs(
             model, rows, pad_id, group.micro_batch_size, train.max_tokens_per_micro_batch, config, engine.device
         )
-    for step_index, mini in enumerate(np.array_split(order, steps)):
-        mini_rows = [rows[i] for i in mini]
-        packs = micro_batches(mini_rows, group.micro_batch_size, train.max_tokens_per_micro_batch)
+    minis = [[rows[i] for i in mini] for mini in np.array_split(order, steps)]
+    packed = [micro_batches(mini_rows, group.micro_batch_size, train.max_tokens_per_micro_batch) for mini_rows in minis]
+    # Every rank runs the busiest rank's count of micro-batches (rank_batches).
+    progress = Progress(
+        sum(-(-len(packs) // world) for packs in packed),
+        f"update {group.name}",
+        unit="micro-batch",
+        final_line=False,
+        shown=rank == 0,
+    )
+    for step_index, (mini_rows, packs) in enumerate(zip(minis, packed, strict=True)):
         size = MiniBatchSize(sum(len(r["response_ids"]) for r in mini_rows), len(mini_rows), len(packs))
         batches = [batch.to(engine.device) for batch in rank_batches(mini_rows, packs, pad_id, rank, world)]
         if config.diagnostics.per_agent_grad_norm:
@@ -76,10 +85,12 @@ def train_worker_group(
                     totals[key] += value * weight if step_index == 0 else 0.0
                 else:
                     totals[key] += value * weight / steps
+            progress.update(step=f"{step_index + 1}/{steps}")
         stepped, norm = engine.step(engine.grad_norm())
         skipped += int(not stepped or not math.isfinite(norm))
         norms.append(norm)
         tokens += size.tokens
+    progress.close()
     if world > 1:  # each rank saw its share of the micro-batches: sum the shares
         shares = torch.tensor(list(totals.values()), dtype=torch.float64, device=engine.device)  # nccl: on the GPU
         dist.all_reduce(shares, op=dist.ReduceOp.SUM)

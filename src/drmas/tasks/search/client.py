@@ -1,6 +1,15 @@
-"""The client of a retrieval service (``drmas serve-retrieval``, ``drmas.tasks.retrieval_service``):
+"""The client of a retrieval service (``drmas serve-retrieval``, ``drmas.tasks.search.service``):
 ``search(queries, k)`` over HTTP, answering as the in-process ``Retriever`` does, with
 retries, batching and a check that the service serves the corpus the run names.
+
+The search task uses it when ``task.retrieval_url`` is set. On first use it checks that
+the service serves the corpus the config names (``RetrievalMismatch`` otherwise), and
+every answer must carry that corpus's hash. A connection error, a timeout, a 5xx or a
+429 is retried ``retries`` times, waiting ``backoff_s``, then twice as long each time
+(at most ``MAX_BACKOFF_S``; a longer ``Retry-After`` is honoured up to that); then
+``RetrievalUnavailable`` names the URL, the request, the attempts and the last failure.
+A failure never comes back as an empty result: an episode would silently lose its
+passages, and the run would learn from that.
 
 Its own module so that the search task (which builds a client when ``task.retrieval_url``
 is set) and the service (which shares its limits) both import it, and neither imports the

@@ -1,10 +1,11 @@
-"""Retrieval as a service: the search task's BM25 served over HTTP, and its client.
+"""Retrieval as a service: the search task's BM25 served over HTTP, and its command line.
 
 The reference serves retrieval from a separate server (e5 + FAISS over wiki-18, ~21M
 passages); by default drmas builds a BM25 index in the rollout driver's own process. At
 wiki scale that index belongs in one service that every rollout and evaluation shares:
 
-    python -m drmas.tasks.retrieval_service --corpus PATH --store ROOT --port 8080
+    drmas serve-retrieval --corpus PATH --store ROOT --port 8080
+    python -m drmas.tasks.search.service --corpus PATH --store ROOT --port 8080   # the same
 
 1. The server loads the corpus and its index exactly as the in-process path does
    (``load_corpus``, then ``cached_retriever``: built once, cached in the store under
@@ -21,15 +22,12 @@ wiki scale that index belongs in one service that every rollout and evaluation s
 
    A malformed request gets 400 with {"error": "..."} saying what is wrong; a body over
    ``MAX_BODY_BYTES`` gets 413; an unknown path 404.
-3. ``RetrievalClient`` has ``Retriever``'s ``search(queries, k)``; the search task uses it
-   when ``task.retrieval_url`` is set. On first use it checks that the service serves the
-   corpus the config names (``RetrievalMismatch`` otherwise), and every answer must carry
-   that corpus's hash. A connection error, a timeout, a 5xx or a 429 is retried
-   ``retries`` times, waiting ``backoff_s``, then twice as long each time (at most
-   ``MAX_BACKOFF_S``; a longer ``Retry-After`` is honoured up to that); then
-   ``RetrievalUnavailable`` names the URL, the request, the attempts and the last failure.
-   A failure never comes back as an empty result: an episode would silently lose its
-   passages, and the run would learn from that.
+3. Runs reach it through ``drmas.tasks.search.client.RetrievalClient`` (``task.retrieval_url``),
+   which retries, and fails rather than answer with no passages.
+
+This module is the server and its command line only: what it serves (the retriever, the
+corpus) and the client it shares its limits with are modules of their own, and in the
+library only the command line imports this one.
 """
 
 from __future__ import annotations
@@ -44,26 +42,16 @@ import threading
 from collections.abc import Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from drmas.config import DataConfig
 from drmas.infra.store import Store, StoreError
 from drmas.tasks import DataError
-from drmas.tasks.retrieval_client import MAX_QUERIES
-from drmas.tasks.search import (
-    GENERATED_FACTS,
-    GENERATED_PREFIX,
-    INDEX_FORMAT,
-    Retriever,
-    Tokenization,
-    cached_retriever,
-    corpus_for,
-    load_corpus,
-)
+from drmas.tasks.search.client import MAX_QUERIES
+from drmas.tasks.search.corpus import corpus_for, load_corpus
+from drmas.tasks.search.retrieval import INDEX_FORMAT, Retriever, Tokenization, cached_retriever
+from drmas.tasks.search.world import GENERATED_FACTS, GENERATED_PREFIX
 from drmas.team.orchestras import Passage
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "DEFAULT_PORT",
@@ -81,6 +69,8 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 """The largest /search request body the server reads."""
 MAX_K = 1000
 """The most passages per query one request may ask for."""
+
+
 # --------------------------------------------------------------------------------------
 # The server
 # --------------------------------------------------------------------------------------
@@ -227,11 +217,6 @@ def serve(
     loaded from, or built into, ``store``'s cache as the in-process retriever's is
     (``tokenization``: as ``Retriever``'s, bm25s's English stop words and no stemmer)."""
     return RetrievalServer(cached_retriever(passages, store, tokenization or Tokenization()), host, port)
-
-
-# --------------------------------------------------------------------------------------
-# The client
-# --------------------------------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------------------

@@ -1,23 +1,33 @@
-"""Training engines: what steps one worker group's optimizer, behind one protocol.
+"""The DeepSpeed engine: the same torch AdamW as the torch engine, wrapped in DeepSpeed ZeRO
+0-3, with the DeepSpeed config it is built from and the one-process group DeepSpeed needs
+even alone. DeepSpeed itself is imported when an engine is made: it takes seconds, and the
+torch engine and the config builder need none of it.
 
-``TorchEngine`` is plain torch AdamW (gradients summed across data-parallel ranks);
-``DeepSpeedEngine`` wraps the same AdamW in DeepSpeed ZeRO 0-3. The update's loop
-(``drmas.training.loop``) sees only ``TrainEngine``."""
+This module's name is the engine's; its ``import deepspeed`` is absolute, so it is the real
+DeepSpeed."""
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from drmas.config import DrmasConfig, WorkerGroup
+from drmas.training.engines.base import (
+    adamw,
+    full_shape,
+    gradient_norm,
+    move_module_and_optimizer,
+    rank_and_world,
+    rng_untouched,
+    trainable_parameters,
+)
 from drmas.training.state import (
     StateStream,
     TrainState,
@@ -30,250 +40,7 @@ from drmas.training.state import (
     stream_state,
 )
 
-__all__ = [
-    "DeepSpeedEngine",
-    "TorchEngine",
-    "TrainEngine",
-    "deepspeed_config",
-    "ensure_process_group",
-    "full_shape",
-    "make_engine",
-    "rank_and_world",
-    "training_device",
-    "wait_for_all",
-    "zero3_optimizer_homes",
-]
-
-
-def rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def wait_for_all(timeout_s: float) -> None:
-    """A barrier of the whole process group with a timeout of its own, on gloo (host
-    memory only): for ranks that wait while one rank does long work alone (rank 0 stores the
-    update's policy and optimizer state), longer than the group's collectives may take. Its
-    group is made for the wait (``new_group`` is itself a barrier, with this timeout) and
-    destroyed after it."""
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    try:
-        dist.barrier(group=group)
-    finally:
-        dist.destroy_process_group(group)
-
-
-def training_device() -> torch.device:
-    """This process's device: its local rank's GPU (``LOCAL_RANK``, set by torchrun and by
-    ``ensure_process_group``) when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-class TrainEngine(Protocol):
-    """What the update's loop needs from an engine, whatever does the stepping."""
-
-    device: torch.device
-    """Where the model's parameters are: every batch, the reference model and every buffer
-    of the update go there."""
-    model: torch.nn.Module
-    """The policy as loaded: its parameters are what is saved."""
-    forward_model: torch.nn.Module
-    """What the update's forward passes go through (DeepSpeed: its engine)."""
-    params: list[torch.nn.Parameter]
-
-    def backward(self, loss: torch.Tensor, boundary: bool) -> None: ...
-
-    def grad_norm(self) -> float:
-        """Global L2 norm of the summed gradient, before clipping (NaN: the step reports it)."""
-        ...
-
-    def step(self, norm: float) -> tuple[bool, float]:
-        """Clip and step; skip (and clear) on a non-finite norm. Returns (stepped, norm)."""
-        ...
-
-    def state_stream(self) -> StateStream:
-        """The optimizer state, one tensor at a time (a collective where it is partitioned:
-        every rank consumes the whole stream, in order)."""
-        ...
-
-    def export_state(self) -> TrainState:
-        """``state_stream``, held whole in memory."""
-        ...
-
-    def import_state(self, state: TrainState) -> None: ...
-
-    def lr(self) -> float: ...
-
-    def side_pass(self) -> AbstractContextManager[None]:
-        """Around a forward/backward that must leave no trace on the update (diagnostics)."""
-        ...
-
-    def full_weights(self) -> dict[str, torch.Tensor] | None:
-        """The whole weights on every rank (host copies), or None when the model's own
-        parameters are whole."""
-        ...
-
-    def offload(self) -> None:
-        """Move the training state (weights, gradients, optimizer state) to host memory:
-        the engine kept between updates gives the device back to the rollout engine."""
-        ...
-
-    def onload(self) -> None:
-        """Bring what ``offload`` moved back to ``device`` for the next update."""
-        ...
-
-
-def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The parameters that train, by name: all of them, or a LoRA policy's adapters (its
-    base is frozen, so no optimizer holds state for it)."""
-    return {name: p for name, p in model.named_parameters() if p.requires_grad}
-
-
-def _adamw(
-    params: list[torch.nn.Parameter], group: WorkerGroup, config: DrmasConfig
-) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over ``params`` and its linear warm-up: both engines step this same optimizer."""
-    optimizer = torch.optim.AdamW(params, lr=group.lr, weight_decay=config.train.weight_decay)
-    warmup = group.warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
-    )
-    return optimizer, scheduler
-
-
-def _fp32_masters(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.nn.Parameter]:
-    """What the optimizer steps for each parameter: an fp32 one itself; for a bf16 one an
-    fp32 master copy, into whose gradient each backward's bf16 gradient is added at once
-    (a post-accumulate hook; the bf16 gradient is dropped), so that gradients accumulate
-    over micro-batches in fp32 (and are summed across ranks in fp32), as DeepSpeed's ZeRO-2
-    and -3 and its ZeRO-1 with offload do under ``deepspeed_config``; DeepSpeed's ZeRO-0 and
-    ZeRO-1 without offload accumulate in bf16."""
-    masters = {}
-    for name, param in params.items():
-        if param.dtype == torch.float32:
-            masters[name] = param
-            continue
-        master = torch.nn.Parameter(param.detach().float().clone())
-        param.register_post_accumulate_grad_hook(partial(_into_master, master=master))
-        masters[name] = master
-    return masters
-
-
-def _into_master(param: torch.Tensor, master: torch.Tensor) -> None:
-    if param.grad is None:
-        return
-    grad = param.grad.float()
-    master.grad = grad if master.grad is None else master.grad.add_(grad)
-    param.grad = None
-
-
-@contextmanager
-def _rng_untouched() -> Iterator[None]:
-    """The RNG is restored afterwards, so dropout draws the same masks in the real pass."""
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        yield
-
-
-def _gradient_norm(params: list[torch.nn.Parameter]) -> float:
-    norms = [p.grad.detach().float().norm(2) for p in params if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
-
-
-class TorchEngine:
-    """AdamW with linear warm-up; gradients summed across data-parallel ranks.
-
-    A bf16 model trains in mixed precision, as DeepSpeed's bf16 does: it computes in bf16
-    (the model that is stored and rolled out is the one that trains, so trainer and engine
-    see the same weights), while AdamW steps fp32 master weights with fp32 gradients
-    (accumulated over the micro-batches and summed across ranks in fp32: ``_fp32_masters``)
-    and moments, and the model takes the masters, rounded, after each step. An update below
-    half a bf16 ulp of a weight (lr 1e-5 on a weight of 1: bf16 keeps 8 bits) adds up in the
-    master instead of being rounded away at every step. Chosen over fp32 weights under
-    ``torch.autocast``: that keeps 4 bytes a weight resident plus autocast's bf16 copies,
-    and computes norms and residuals in fp32, unlike the bf16 model the rollout runs.
-    The masters are saved with the optimizer state, so a resume continues from them."""
-
-    def __init__(self, model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> None:
-        self.device = training_device()
-        self.model = model.to(self.device)
-        self.forward_model: torch.nn.Module = self.model
-        trainable = _trainable(model)
-        self.params = list(trainable.values())
-        self.masters = _fp32_masters(trainable)
-        self.optimizer, self.scheduler = _adamw(list(self.masters.values()), group, config)
-        self.grad_clip = config.train.grad_clip
-
-    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
-        loss.backward()
-
-    def grad_norm(self) -> float:
-        self._all_reduce()
-        return _gradient_norm(list(self.masters.values()))
-
-    def step(self, norm: float) -> tuple[bool, float]:
-        stepped = math.isfinite(norm)
-        if stepped:
-            scale = min(1.0, self.grad_clip / (norm + 1e-6))
-            for master in self.masters.values():
-                if master.grad is not None:
-                    master.grad.mul_(scale)
-            self.optimizer.step()
-            self.scheduler.step()
-            with torch.no_grad():
-                for param, master in zip(self.params, self.masters.values(), strict=True):
-                    if master is not param:
-                        param.copy_(master)
-        self.optimizer.zero_grad(set_to_none=True)
-        return stepped, norm
-
-    def state_stream(self) -> StateStream:
-        return stream_state(self.model, self.optimizer, self.scheduler, self._separate_masters())
-
-    def export_state(self) -> TrainState:
-        return collect(self.state_stream())
-
-    def import_state(self, state: TrainState) -> None:
-        restore_state(state, self.model, self.optimizer, self.scheduler, self._separate_masters())
-        with torch.no_grad():
-            for param, master in zip(self.params, self.masters.values(), strict=True):
-                param.copy_(master)
-
-    def _separate_masters(self) -> dict[str, torch.Tensor] | None:
-        """The fp32 masters by name when they are not the parameters themselves (bf16)."""
-        mixed = any(master is not param for param, master in zip(self.params, self.masters.values(), strict=True))
-        return dict(self.masters) if mixed else None
-
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
-
-    def side_pass(self) -> AbstractContextManager[None]:
-        return _rng_untouched()
-
-    def full_weights(self) -> dict[str, torch.Tensor] | None:
-        return None
-
-    def offload(self) -> None:
-        self._move(torch.device("cpu"))
-
-    def onload(self) -> None:
-        self._move(self.device)
-
-    def _move(self, device: torch.device) -> None:
-        _move_module_and_optimizer(self.model, self.optimizer, device)
-        for param, master in zip(self.params, self.masters.values(), strict=True):
-            if master is not param:
-                master.data = master.data.to(device)
-
-    def _all_reduce(self) -> None:
-        if rank_and_world()[1] > 1:
-            for p in self.masters.values():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+__all__ = ["DeepSpeedEngine", "deepspeed_config", "ensure_process_group", "zero3_optimizer_homes"]
 
 
 class DeepSpeedEngine:
@@ -294,13 +61,13 @@ class DeepSpeedEngine:
 
     def __init__(self, model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-        import deepspeed  # noqa: PLC0415
+        import deepspeed  # noqa: PLC0415 - seconds to import: only where this engine is made
 
         ensure_process_group()
         _, world = rank_and_world()
         self.model = model
-        self.params = list(_trainable(model).values())
-        optimizer, scheduler = _adamw(self.params, group, config)
+        self.params = list(trainable_parameters(model).values())
+        optimizer, scheduler = adamw(self.params, group, config)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(config, group, world)
         )
@@ -322,7 +89,7 @@ class DeepSpeedEngine:
         """ZeRO-0 leaves the reduced gradients on the parameters: measure them before the
         step, so that a non-finite norm skips it. ZeRO-1/2/3 partition them: DeepSpeed
         reports the norm while it steps (and the skip is DeepSpeed's to make)."""
-        return _gradient_norm(self.params) if self.zero_stage == 0 else float("nan")
+        return gradient_norm(self.params) if self.zero_stage == 0 else float("nan")
 
     def step(self, norm: float) -> tuple[bool, float]:
         """ZeRO-0: skipped here on a non-finite norm (DeepSpeed's bf16 ZeRO-0 optimizer has
@@ -358,7 +125,7 @@ class DeepSpeedEngine:
         backward partitions the leftovers at its end (from a gradient hook, which a side
         pass never fires): partition them here, as its public ``empty_partition_cache``
         does (a no-op below stage 3)."""
-        with _rng_untouched():
+        with rng_untouched():
             yield
         self.engine.empty_partition_cache()
 
@@ -436,7 +203,7 @@ class DeepSpeedEngine:
         rng = torch.get_rng_state()
         specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [("rng/torch", rng.dtype, tuple(rng.shape))]
         producers: list[Any] = [lambda: rng]
-        trainable = _trainable(self.model)
+        trainable = trainable_parameters(self.model)
         stepped = any(flat in self.engine.optimizer.optimizer.state for flat in self._flat_partitions())
         for name, param in trainable.items():
             shape = tuple(full_shape(param))
@@ -463,7 +230,7 @@ class DeepSpeedEngine:
             return
         from deepspeed.utils import safe_set_full_fp32_param  # noqa: PLC0415
 
-        trainable = _trainable(self.model)
+        trainable = trainable_parameters(self.model)
         shapes = {name: full_shape(param) for name, param in trainable.items()}
         if problem := state_mismatch(state, shapes):
             raise ValueError(problem)
@@ -512,7 +279,7 @@ class DeepSpeedEngine:
             for params, masters in zip(wrapper.fp16_groups, wrapper.fp32_groups, strict=True)
             for param, master in zip(params, masters, strict=True)
         }
-        return {name: copies[id(param)] for name, param in _trainable(self.model).items()}
+        return {name: copies[id(param)] for name, param in trainable_parameters(self.model).items()}
 
     def _weights_from_masters(self) -> None:
         """Round the masters into the bf16 weights as DeepSpeed's step does. ZeRO-1/2: its
@@ -533,7 +300,7 @@ class DeepSpeedEngine:
                 zero._reassign_or_swap_out_partitioned_parameters(sub_group)
 
     def _move_zero0(self, device: torch.device) -> None:
-        _move_module_and_optimizer(self.model, self.optimizer, device)
+        move_module_and_optimizer(self.model, self.optimizer, device)
         for master in (self._zero0_masters() or {}).values():
             master.data = master.data.to(device)
 
@@ -548,18 +315,6 @@ class DeepSpeedEngine:
     def _base_step(self) -> float:
         slots = list(self.engine.optimizer.optimizer.state.values())
         return float(slots[0]["step"]) if slots and "step" in slots[0] else 0.0
-
-
-def _move_module_and_optimizer(module: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Move a module's parameters (and gradients) and its optimizer's tensors to ``device``
-    in place: the optimizer keeps its keys (the parameter objects), only their data moves."""
-    if next(module.parameters()).device == device:
-        return
-    module.to(device)
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.dim() > 0:
-                state[key] = value.to(device)
 
 
 def zero3_optimizer_homes(zero: Any, device: torch.device) -> list[torch.device]:
@@ -645,12 +400,6 @@ def deepspeed_config(config: DrmasConfig, group: WorkerGroup, world: int) -> dic
     return ds
 
 
-def full_shape(param: torch.nn.Parameter) -> torch.Size:
-    """A parameter's whole shape, also under ZeRO-3 (whose ``param.shape`` is empty
-    outside its module's forward and backward)."""
-    return param.ds_shape if hasattr(param, "ds_shape") else param.shape
-
-
 def ensure_process_group() -> None:
     """DeepSpeed needs a process group even alone: a one-process group whose rendezvous is
     an in-memory store (a TCPStore would listen on every interface); nccl on a GPU (gloo
@@ -660,9 +409,3 @@ def ensure_process_group() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed checks that a launcher set it
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-
-
-def make_engine(model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> TrainEngine:
-    if config.train.backend == "deepspeed":
-        return DeepSpeedEngine(model, group, config)
-    return TorchEngine(model, group, config)
