@@ -151,7 +151,10 @@ def _in_process_ray() -> dict[str, Any]:
     so do the worker groups' runtimes, whose reads would otherwise happen in actor processes
     that no recording sees."""
 
-    def remote(cls: type) -> SimpleNamespace:
+    def remote(cls: type | None = None, **_options: object) -> Any:
+        """``ray.remote(cls)`` or ``ray.remote(**options)(cls)``: the options do nothing in process."""
+        if cls is None:
+            return remote
         return SimpleNamespace(
             options=lambda **_: SimpleNamespace(remote=lambda *args, **kwargs: _ActorInProcess(cls(*args, **kwargs)))
         )

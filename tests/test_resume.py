@@ -88,7 +88,9 @@ def test_kill_and_resume_equals_uninterrupted(baseline_run: BaselineRun, tmp_pat
     # (checkpoint.every=2): in between its pool's workers hold them.
     cut = (*BASELINE_SETTINGS, "checkpoint.every=2")
     killed = drmas_run(tmp_path, "--run-id", "cut", *cut, wait=False)
-    marker = tmp_path / "runs" / "math-tiny" / "cut" / "iter-000000" / "checkpoint" / MANIFEST
+    # Killed once iteration 0 is done (checkpointed, then evaluated): a kill between the two would
+    # leave iteration 0 to do again, and the resume below would have nothing checkpointed to report.
+    marker = tmp_path / "runs" / "math-tiny" / "cut" / "iter-000000" / "evaluate" / MANIFEST
     deadline = time.monotonic() + 300
     while not marker.exists() and killed.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
