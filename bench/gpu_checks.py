@@ -18,7 +18,7 @@ when one fails: a check that raises is recorded with its error, and the next one
   master partition, its gradient and its moments are after the onload, and whether the
   second update runs.
 - ``microbatch``: one worst-case micro-batch of each GPU recipe (Qwen3-4B, Qwen2.5-7B shapes,
-  random bf16 weights on the GPU) through drmas's loss (``_micro_loss``: chunked log-probs,
+  random bf16 weights on the GPU) through drmas's loss (``micro_loss``: chunked log-probs,
   activation checkpointing): the allocator's forward and backward peaks above the weights,
   against ``drmas plan``'s activations, logits and gradients for that micro-batch.
 - ``handover``: the transport SGLang's ``update_weights_from_tensor`` uses (torch's
@@ -235,7 +235,7 @@ def states_identical(before: Any, after: Any) -> dict[str, Any]:
 
 def run_engine_case(name: str, tiny: bool) -> dict[str, Any]:
     """One case, in this process: update, hand-over, offload, onload, next update."""
-    from drmas.stages.update import _prepare_for_training
+    from drmas.stages.update import prepare_for_training
     from drmas.training.engines import make_engine, rank_and_world
     from drmas.training.loop import train_worker_group
 
@@ -250,7 +250,7 @@ def run_engine_case(name: str, tiny: bool) -> dict[str, Any]:
     shape = TINY if tiny else QWEN3_06B
     started = time.perf_counter()
     model = build_model(shape, torch.bfloat16 if bf16 else torch.float32)
-    _prepare_for_training(model, checkpointing=True)
+    prepare_for_training(model, checkpointing=True)
     report: dict[str, Any] = {"stage": stage, "offload_optimizer": offload, "bf16": bf16, "shape": shape}
     report["params"] = sum(p.numel() for p in model.parameters())
     engine = make_engine(model, group, config)
@@ -317,9 +317,9 @@ def check_engine(args: argparse.Namespace) -> dict[str, Any]:
 def check_microbatch(args: argparse.Namespace) -> dict[str, Any]:
     from drmas.config import load_config
     from drmas.planning import architecture_of, plan_memory
-    from drmas.stages.update import _prepare_for_training
+    from drmas.stages.update import prepare_for_training
     from drmas.training.batching import collate
-    from drmas.training.loop import MiniBatchSize, _micro_loss
+    from drmas.training.loop import MiniBatchSize, micro_loss
 
     if not torch.cuda.is_available():
         return {"skipped": "no GPU"}
@@ -348,7 +348,7 @@ def check_microbatch(args: argparse.Namespace) -> dict[str, Any]:
             model = build_model(shape, torch.bfloat16, device())
         else:
             model = qwen2_model(architecture, torch.bfloat16, device())
-        _prepare_for_training(model, config.train.gradient_checkpointing)
+        prepare_for_training(model, config.train.gradient_checkpointing)
         rows = random_rows(rows_count, length - response, response, architecture.vocab_size, list(group.agents))
         batch = collate(rows, 0).to(device())
         size = MiniBatchSize(sum(len(r["response_ids"]) for r in rows), len(rows), 1)
@@ -356,7 +356,7 @@ def check_microbatch(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
         weights = torch.cuda.memory_allocated()
         started = time.perf_counter()
-        loss, _ = _micro_loss(model, None, batch, size, config, want_entropy=True)
+        loss, _ = micro_loss(model, None, batch, size, config, want_entropy=True)
         torch.cuda.synchronize()
         forward_peak = torch.cuda.max_memory_allocated() - weights
         torch.cuda.reset_peak_memory_stats()

@@ -165,18 +165,18 @@ def _count_forwards(modules: list[torch.nn.Module]) -> list[int]:
 
 @pytest.mark.parametrize("architecture", ["qwen3", "llama"])
 def test_the_update_prepares_checkpointed_training_with_this_transformers(architecture):
-    """The update's model preparation (``_prepare_for_training``) with gradient
+    """The update's model preparation (``prepare_for_training``) with gradient
     checkpointing, on the installed transformers: every decoder layer's forward runs again
     in the backward pass, ``torch.autograd.grad`` works (the per-agent diagnostic needs the
     non-reentrant kind) and the gradients are those without checkpointing."""
-    from drmas.stages.update import _prepare_for_training
+    from drmas.stages.update import prepare_for_training
 
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
     grads, forwards = {}, {}
     for on in (False, True):
         model = _tiny(architecture)
         model.eval()
-        _prepare_for_training(model, on)
+        prepare_for_training(model, on)
         assert model.training
         calls = _count_forwards([layer.mlp for layer in model.model.layers])
         loss = model(input_ids=ids, use_cache=False).logits.float().logsumexp(-1).mean()

@@ -24,6 +24,7 @@ import torch
 from helpers import WG, make_run, torch_env, torch_launcher
 from safetensors.torch import load_file
 
+from drmas.config import StoreConfig
 from drmas.stages.advantage import advantage
 
 pytestmark = pytest.mark.slow
@@ -105,7 +106,7 @@ def prepare(tmp_path: Path, name: str) -> dict[str, str]:
     with store.writer(path, overwrite=True) as out:
         out.write_table("batch.parquet", batch)
     config_file = tmp_path / name / "config.json"
-    config_file.write_text(config.model_copy(update={"store": store.settings()}).to_json())
+    config_file.write_text(config.model_copy(update={"store": StoreConfig(**store.settings().as_dict())}).to_json())
     return {"name": name, "config": str(config_file), "policy": policy.artifact, "wg": WG}
 
 

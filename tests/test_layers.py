@@ -103,6 +103,21 @@ def test_the_checker_sees_a_crossing(tmp_path):
     assert not _allowed("stages.rollout", ALLOWED["infra"]) and _allowed("infra.store", ALLOWED["team"])
 
 
+STORE_MODULES = ("store", "faults", "schema", "layout", "lease")
+"""The artifact store and what it builds on: below every config schema (issue 27 §2), so
+the store opens from plain settings (``Store.settings()`` is an infra dataclass)."""
+
+
+def test_the_store_imports_no_config():
+    crossings = [
+        f"infra/{name}.py:{line} imports drmas.{target}"
+        for name in STORE_MODULES
+        for line, target in _drmas_imports(SRC / "drmas" / "infra" / f"{name}.py")
+        if not target.startswith("infra.") and target != "infra"
+    ]
+    assert not crossings, "\n".join(crossings)
+
+
 ROOT = SRC.parent
 TREES = {"drmas": SRC / "drmas", "drmas_kfp": SRC / "drmas_kfp", "drmas_kfp.components": ROOT / "components"}
 TREES["drmas_kfp.pipelines"] = ROOT / "pipelines"
@@ -201,3 +216,27 @@ def test_a_broken_copy_of_the_tree_has_a_circle(tmp_path):
     assert [cycle for cycle in after if cycle not in before] == [
         ["drmas.tasks.search.client", "drmas.tasks.search.task"]
     ]
+
+
+def _private_imports(path: Path, base: Path = ROOT) -> list[str]:
+    """``from drmas... import _name`` in the file: a name its module keeps to itself."""
+    return [
+        f"{path.relative_to(base)}:{node.lineno} takes {alias.name} from {node.module}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("drmas", "drmas_kfp")
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+
+
+def test_no_module_takes_another_modules_private_names():
+    """Issue 27 §4: what another module (or a bench script, a tool) needs is public."""
+    folders = [*TREES.values(), ROOT / "bench", ROOT / "tools"]
+    found = [hit for folder in folders for path in sorted(folder.rglob("*.py")) for hit in _private_imports(path)]
+    assert not found, "\n".join(found)
+
+
+def test_a_private_import_is_found(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from drmas.stages.update import _hidden, public\n")
+    assert _private_imports(probe, tmp_path) == ["probe.py:2 takes _hidden from drmas.stages.update"]

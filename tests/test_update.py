@@ -16,6 +16,7 @@ from helpers import WG, make_run, torch_env, torch_launcher
 from safetensors.torch import load_file
 
 from drmas.algos import compute_advantages
+from drmas.config import StoreConfig
 from drmas.infra.layout import PolicyRef, optim_path, stage_path
 from drmas.infra.schema import BATCH_SCHEMA
 from drmas.infra.store import Store
@@ -342,7 +343,7 @@ def _update_in_subprocess(tmp_path: Path, name: str, launcher: list[str], *overr
     config, store, policy, _ = make_run(tmp_path / name, *overrides)
     advantage(config, store, "run", 0)
     config_file = tmp_path / name / "config.json"
-    config_file.write_text(config.model_copy(update={"store": store.settings()}).to_json())
+    config_file.write_text(config.model_copy(update={"store": StoreConfig(**store.settings().as_dict())}).to_json())
     command = [
         *launcher,
         "-m",

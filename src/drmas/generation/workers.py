@@ -31,13 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from drmas.config import PolicyError, SamplingConfig, StoreConfig, TemplateVariables
+from drmas.config import PolicyError, SamplingConfig, TemplateVariables
 from drmas.generation.engines import make_engine, request_seeds
 from drmas.generation.lora import ADAPTER_CONFIG, lora_base, merge_lora, read_adapter
 from drmas.generation.named_pool import free_pool
 from drmas.infra.layout import PolicyRef
 from drmas.infra.progress import relay_progress, relayed
-from drmas.infra.store import Artifact, Store
+from drmas.infra.store import Artifact, Store, StoreLocation
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +67,7 @@ class WorkerGroupRuntime:
     def __init__(
         self,
         name: str,
-        store: StoreConfig,
+        store: StoreLocation,
         engine: str = "hf",
         dtype: str = "float32",
         max_prompt_tokens: int = 1024,
@@ -87,7 +87,7 @@ class WorkerGroupRuntime:
 
             torch.set_num_threads(threads)
         self.name = name
-        self.store_config = store
+        self.store_location = store
         self.engine = make_engine(engine, dtype)
         self.dtype = dtype
         self.max_prompt_tokens = max_prompt_tokens
@@ -141,7 +141,7 @@ class WorkerGroupRuntime:
         if version == self.version:
             return False
         local = self._download(artifact, policy.prefix, version)
-        base = lora_base(Store.from_config(self.store_config), policy)
+        base = lora_base(Store.from_config(self.store_location), policy)
         from drmas.models import load_tokenizer  # noqa: PLC0415 - transformers: in the actor only
 
         try:
@@ -193,7 +193,7 @@ class WorkerGroupRuntime:
 
     def _version_of(self, policy: PolicyRef) -> tuple[Artifact, str]:
         """The stored policy's artifact and version (a digest of its files' digests)."""
-        artifact = Store.from_config(self.store_config).open(policy.artifact)
+        artifact = Store.from_config(self.store_location).open(policy.artifact)
         prefix = policy.prefix.rstrip("/") + "/" if policy.prefix else ""
         entries = sorted((n, e.sha256) for n, e in artifact.files.items() if n.startswith(prefix))
         if not any(name in (f"{prefix}config.json", f"{prefix}{ADAPTER_CONFIG}") for name, _ in entries):

@@ -7,7 +7,7 @@ whose size or hash differs from the manifest refuses it. The layout (docs/archit
 
     {root}/{experiment}/{run_id}/iter-{i:06d}/{stage}/...files..., _MANIFEST.json
 
-    store = Store.from_config(cfg.store)
+    store = Store.from_config(cfg.store)        # or Store.from_settings(store.settings())
     with store.writer(layout.stage_path(exp, run, 3, "rollout")) as out:
         out.write_table("trajectories.parquet", table, TRAJECTORY_SCHEMA)
     table = store.open(".../rollout").read_table("trajectories.parquet", TRAJECTORY_SCHEMA)
@@ -48,9 +48,9 @@ import random
 import re
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -58,9 +58,6 @@ import pyarrow.parquet as pq
 
 from drmas.infra import faults
 from drmas.infra.schema import check_table
-
-if TYPE_CHECKING:
-    from drmas.config import StoreConfig
 
 __all__ = [
     "MANIFEST",
@@ -71,6 +68,7 @@ __all__ = [
     "CorruptArtifact",
     "Store",
     "StoreError",
+    "StoreSettings",
 ]
 
 MANIFEST = "_MANIFEST.json"
@@ -114,6 +112,32 @@ class NothingListening(OSError):
     """A refused connection when the store is opened: a wrong endpoint, not a fault."""
 
 
+class StoreLocation(Protocol):
+    """What opens a store: a run config's ``store`` section or a :class:`StoreSettings`."""
+
+    root: str
+    endpoint: str | None
+    region: str
+    lease_timeout_s: float
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """Where an open store is and how it is reached (absolute root, resolved endpoint): what
+    another process (a Ray actor, a KFP task) needs to open the same store. Plain data of
+    the infra layer, so that the store depends on no config schema; no credentials in it
+    (they come from the environment)."""
+
+    root: str
+    endpoint: str | None = None
+    region: str = "us-east-1"
+    lease_timeout_s: float = 60.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready, for a process started with plain arguments."""
+        return asdict(self)
+
+
 @dataclass(frozen=True)
 class FileEntry:
     """One file of an artifact as its manifest records it."""
@@ -148,17 +172,13 @@ class Store:
             self.fs, self.base = pafs.LocalFileSystem(), self.root
 
     @classmethod
-    def from_config(cls, config: StoreConfig) -> Store:
-        return cls(config.root, config.endpoint, config.region, config.lease_timeout_s)
+    def from_config(cls, location: StoreLocation) -> Store:
+        """The store a config's ``store`` section (or another store's settings) names."""
+        return cls(location.root, location.endpoint, location.region, location.lease_timeout_s)
 
-    def settings(self) -> StoreConfig:
-        """This store as config (absolute root, resolved endpoint): what other processes
-        (Ray actors, KFP tasks) need to open the same store. No credentials in it."""
-        from drmas.config import StoreConfig  # noqa: PLC0415
-
-        return StoreConfig(
-            root=self.root, endpoint=self.endpoint, region=self.region, lease_timeout_s=self.lease_timeout_s
-        )
+    def settings(self) -> StoreSettings:
+        """This store's location, for other processes to open it (``Store.from_config``)."""
+        return StoreSettings(self.root, self.endpoint, self.region, self.lease_timeout_s)
 
     def __repr__(self) -> str:
         where = f" at {self.endpoint}" if self.endpoint else ""

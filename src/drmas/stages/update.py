@@ -52,12 +52,12 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow.compute as pc
 
-from drmas.config import DrmasConfig, PolicyError, StoreConfig, WorkerGroup
+from drmas.config import DrmasConfig, PolicyError, WorkerGroup
 from drmas.generation.pool import RayPool
 from drmas.generation.workers import WorkerGroupRuntime
 from drmas.infra.layout import PolicyRef, StageResult, optim_path, policy_path, split_iteration_path, stage_path
 from drmas.infra.schema import BATCH_SCHEMA
-from drmas.infra.store import ArtifactNotFound, CorruptArtifact, Store
+from drmas.infra.store import ArtifactNotFound, CorruptArtifact, Store, StoreSettings
 
 # torch, transformers and the training code are imported where a rank trains: the driver
 # that calls ``update`` (a Kubeflow task, a thin Ray driver) starts in a second, not six.
@@ -145,7 +145,7 @@ class HeldTraining:
 def update_rank(
     worker: WorkerGroupRuntime | None,
     config: DrmasConfig,
-    store_settings: StoreConfig,
+    store_settings: StoreSettings,
     run_id: str,
     iteration: int,
     wg: str,
@@ -261,7 +261,7 @@ def _start_training(
         raise PolicyError(f"{store.uri(policy.artifact)}: a LoRA policy, but models.{group.model}.lora is not set")
     whole = local if base is None else store.open(base.artifact).download(scratch / "base", prefix=base.prefix)
     model = load_model(whole, dtype)
-    _prepare_for_training(model, config.train.gradient_checkpointing)
+    prepare_for_training(model, config.train.gradient_checkpointing)
     record = None
     if lora is not None:
         seed = zlib.crc32(f"{config.experiment.seed}/{group.name}/lora".encode())
@@ -321,7 +321,7 @@ def _save_adapter(model, base: dict[str, Any], folder: Path) -> None:
     (folder / BASE_POLICY).write_text(json.dumps(base, sort_keys=True, indent=1))
 
 
-def _prepare_for_training(model: PreTrainedModel, checkpointing: bool) -> None:
+def prepare_for_training(model: PreTrainedModel, checkpointing: bool) -> None:
     """Training mode and, if asked, activation checkpointing of every decoder layer.
 
     Non-reentrant checkpointing: the reentrant kind does not support ``torch.autograd.grad``

@@ -35,7 +35,7 @@ from drmas.generation.workers import truncate_prompt
 from drmas.infra.cpus import cpu_threads
 from drmas.infra.layout import PolicyRef
 from drmas.infra.progress import Progress
-from drmas.infra.store import Store
+from drmas.infra.store import Store, StoreSettings
 from drmas.models import chat_prompt, load_model, load_tokenizer
 from drmas.stages.contracts import WarmstartContract, cache_key, starting_point_reusable
 from drmas.tasks import Demonstrations, task_for
@@ -65,7 +65,7 @@ def warmstart(config: DrmasConfig, store: Store, run_id: str, init: dict[str, Po
             pairs = [pair for agent in group.agents for pair in demos.get(agent, [])]
             key = cache_key(config, store, contract)
             todo.append(
-                (config.to_json(), store.settings().model_dump(), group.name, index, init[group.name], path, pairs, key)
+                (config.to_json(), store.settings().as_dict(), group.name, index, init[group.name], path, pairs, key)
             )
     if len(todo) == 1:
         _warm_one(*todo[0], threads=torch.get_num_threads())
@@ -121,11 +121,9 @@ def _warm_one(
 ) -> None:
     """Fine-tune one worker group and write its policy artifact (manifest last);
     ``position``: its progress bar's line, when groups train in processes side by side."""
-    from drmas.config import StoreConfig  # noqa: PLC0415
-
     torch.set_num_threads(threads)
     config = DrmasConfig.from_json(config_json)
-    store = Store.from_config(StoreConfig(**store_settings))
+    store = Store.from_config(StoreSettings(**store_settings))
     rng = np.random.default_rng([config.experiment.seed, 17, index])
     with tempfile.TemporaryDirectory() as scratch:
         local = store.open(init.artifact).download(Path(scratch) / "init", prefix=init.prefix)

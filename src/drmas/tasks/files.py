@@ -61,7 +61,8 @@ from drmas.infra.store import Store, StoreError
 from drmas.tasks import DataError, Question, Split
 
 if TYPE_CHECKING:
-    from drmas.config import DataConfig, StoreConfig
+    from drmas.config import DataConfig
+    from drmas.infra.store import StoreLocation
 
 __all__ = [
     "ANSWER_FORMS",
@@ -229,7 +230,7 @@ def local_file(spec: str) -> Path:
     return path
 
 
-def open_data(spec: str, store: StoreConfig | Store | None = None) -> DataFile:
+def open_data(spec: str, store: StoreLocation | Store | None = None) -> DataFile:
     """The file ``spec`` names: a local path or ``s3://bucket/key``, or a DataError saying
     why it cannot be read.
 
@@ -245,14 +246,14 @@ def open_data(spec: str, store: StoreConfig | Store | None = None) -> DataFile:
     return DataFile(path, path=path)
 
 
-def _s3_file(spec: str, store: StoreConfig | Store | None) -> DataFile:
+def _s3_file(spec: str, store: StoreLocation | Store | None) -> DataFile:
     s3, info = _s3_entry(spec, store)
     if info.type != pafs.FileType.File:
         raise DataError(f"{spec}: file not found")
     return DataFile(spec, s3=s3, key=info.path, size=info.size or 0)
 
 
-def _s3_entry(spec: str, store: StoreConfig | Store | None) -> tuple[Store, pafs.FileInfo]:
+def _s3_entry(spec: str, store: StoreLocation | Store | None) -> tuple[Store, pafs.FileInfo]:
     """The store of ``spec``'s bucket, and what its key names (a file, a folder, nothing)."""
     match = _S3_OBJECT.match(spec)
     if not match:
@@ -266,7 +267,7 @@ def _s3_entry(spec: str, store: StoreConfig | Store | None) -> tuple[Store, pafs
         raise DataError(f"{spec}: {error}") from None
 
 
-def open_location(spec: str, store: StoreConfig | Store | None = None) -> DataFile | DataFolder:
+def open_location(spec: str, store: StoreLocation | Store | None = None) -> DataFile | DataFolder:
     """The file or the folder ``spec`` names (local, or on S3 as ``open_data`` reads it)."""
     if spec.startswith("s3://"):
         spec = spec.rstrip("/")
@@ -288,7 +289,7 @@ def _not_found(spec: str) -> str:
     return "file not found" if Path(spec).suffix.lower() in FILE_TYPES else "no such file or folder"
 
 
-def read_jsonl(path: Path | str, store: StoreConfig | Store | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+def read_jsonl(path: Path | str, store: StoreLocation | Store | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for every non-blank line, streamed (a corpus can be large).
 
     ``path`` is a local Path, or a spec (a local path or ``s3://bucket/key``, read as
@@ -394,7 +395,7 @@ class Rows:
     """The data source of a row without one: the file's stem, the folder's name."""
 
 
-def read_rows(spec: str, store: StoreConfig | Store | None = None, split: FolderSplit | None = None) -> Rows:
+def read_rows(spec: str, store: StoreLocation | Store | None = None, split: FolderSplit | None = None) -> Rows:
     """The rows of a file or a dataset folder (see the module's docstring); ``store``: as
     for ``open_data``; ``split``: which split of a folder that holds several."""
     location = open_location(spec, store)
@@ -648,7 +649,7 @@ def read_questions(
     data: DataConfig,
     gold_answers: Callable[[Any], tuple[str, ...]],
     *,
-    store: StoreConfig | Store | None = None,
+    store: StoreLocation | Store | None = None,
     split: Split = "train",
 ) -> list[Question]:
     """The questions of a file or a dataset folder (local, or on S3 read with ``store``'s

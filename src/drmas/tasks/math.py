@@ -35,8 +35,8 @@ from drmas.team.episodes import Episode
 from drmas.team.orchestras import Team, verdict_passes
 
 if TYPE_CHECKING:
-    from drmas.config import DataConfig, DrmasConfig, StoreConfig
-    from drmas.infra.store import Store
+    from drmas.config import DataConfig, DrmasConfig
+    from drmas.infra.store import Store, StoreLocation
 
 __all__ = [
     "MathOrchestra",
@@ -217,7 +217,7 @@ def load_math_questions(
     split: Literal["train", "eval"],
     data: DataConfig,
     seed: int,
-    store: StoreConfig | Store | None = None,
+    store: StoreLocation | Store | None = None,
 ) -> list[Question]:
     """The questions of ``data.train`` or ``data.eval``, in file order.
 

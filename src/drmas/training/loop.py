@@ -140,7 +140,7 @@ def _agent_grad_norms(
     with engine.side_pass():
         for agent in agents:
             losses = (
-                _micro_loss(model, ref_model, batch, size, config, want_entropy=False, only_agent=agent)[0]
+                micro_loss(model, ref_model, batch, size, config, want_entropy=False, only_agent=agent)[0]
                 for batch in batches
             )
             gradient = _gradient_sum(engine.params, losses, engine.device)
@@ -191,12 +191,12 @@ def _forward_backward(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """One micro-batch's loss and its gradient, accumulated into the engine's (``boundary``:
     the mini-batch's last micro-batch). Returns the loss and its metrics."""
-    loss, stats = _micro_loss(engine.forward_model, ref_model, batch, size, config, want_entropy=True)
+    loss, stats = micro_loss(engine.forward_model, ref_model, batch, size, config, want_entropy=True)
     engine.backward(loss, boundary=boundary)
     return loss, stats
 
 
-def _micro_loss(
+def micro_loss(
     model,
     ref_model,
     batch: MicroBatch,

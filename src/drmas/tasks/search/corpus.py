@@ -21,14 +21,14 @@ from drmas.tasks.search.world import GENERATED_FACTS, GENERATED_PREFIX, generate
 from drmas.team.orchestras import Passage
 
 if TYPE_CHECKING:
-    from drmas.config import DataConfig, StoreConfig
-    from drmas.infra.store import Store
+    from drmas.config import DataConfig
+    from drmas.infra.store import Store, StoreLocation
     from drmas.team.episodes import Question
 
 __all__ = ["corpus_for", "corpus_hash_for", "iter_corpus", "load_corpus", "load_qa"]
 
 
-def corpus_for(data: DataConfig, seed: int, store: StoreConfig | Store | None = None) -> list[Passage]:
+def corpus_for(data: DataConfig, seed: int, store: StoreLocation | Store | None = None) -> list[Passage]:
     """The passages a search run retrieves from: ``data.corpus``, or the generated world's.
     ``store``: the S3 endpoint and region of an ``s3://`` corpus (``load_corpus``)."""
     if data.corpus:
@@ -39,7 +39,7 @@ def corpus_for(data: DataConfig, seed: int, store: StoreConfig | Store | None = 
 def corpus_hash_for(
     data: DataConfig,
     seed: int,
-    store: StoreConfig | Store | None = None,
+    store: StoreLocation | Store | None = None,
     tokenization: Tokenization = Tokenization(),
 ) -> str:
     """``Retriever.corpus_hash`` of ``corpus_for(data, seed, store)`` tokenised as
@@ -73,7 +73,7 @@ def _passage_text(row: dict[str, Any]) -> str | None:
     return f"(Title: {title}) {body}" if title else body
 
 
-def load_corpus(path: str, store: StoreConfig | Store | None = None) -> list[Passage]:
+def load_corpus(path: str, store: StoreLocation | Store | None = None) -> list[Passage]:
     """A JSONL corpus; each line has ``contents`` or ``text``, and an optional ``id``.
 
     A line without an id gets its line number, so ids stay stable when the file is read
@@ -88,7 +88,7 @@ def load_corpus(path: str, store: StoreConfig | Store | None = None) -> list[Pas
     return passages
 
 
-def iter_corpus(path: str, store: StoreConfig | Store | None = None) -> Iterator[Passage]:
+def iter_corpus(path: str, store: StoreLocation | Store | None = None) -> Iterator[Passage]:
     """The passages of ``load_corpus``, streamed (from S3 too): what hashing a corpus too
     large to hold needs (``corpus_hash_for``). An empty file yields nothing."""
     first_line: dict[str, int] = {}
@@ -122,7 +122,7 @@ def load_qa(
     split: Literal["train", "eval"],
     data: DataConfig,
     seed: int,
-    store: StoreConfig | Store | None = None,
+    store: StoreLocation | Store | None = None,
 ) -> list[Question]:
     """The questions of one split: ``generated:facts``, or a JSONL, JSON or Parquet file or
     a dataset folder (local, or ``s3://bucket/key`` read with ``store``'s S3 endpoint and
