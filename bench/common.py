@@ -51,7 +51,7 @@ TIMED: dict[str, list[tuple[str, str]]] = {
         ("RayPool.generate", "ray/generate_call"),
         ("PoolOnDemand.__exit__", "ray/shutdown"),
     ],
-    "drmas.runner": [("_report", "report")],
+    "drmas.stages.track": [("finish_run", "report")],
     "drmas.stages.contracts": [("cache_key", "cache_key")],
     "drmas.infra.tracking": [
         ("Tracker.__init__", "tracking/init"),
