@@ -20,6 +20,10 @@ with the other groups' workers there (each asks for 1/k of the slot).
   embedded or a Kubeflow task joining the cluster; ``free_pool`` (``drmas pool down``, the
   end of a run, or ``ray.idle_timeout_s`` without a call) removes it. A pool without a run
   (``drmas eval``) lives as long as the object.
+- **One driver at a time.** A run's pool object holds the pool's lease from before it looks
+  up or creates the pool until it is closed (``drmas.generation.named_pool``); a second
+  driver waits, saying who holds it. Every generate call names the policy it expects, and a
+  worker holding another refuses (``PolicyMismatch``): a stage never mixes two policies.
 
 Ray starts locally by default (bound to 127.0.0.1) and joins a cluster when
 ``ray.address`` is set (e.g. the KubeRay head service): ``drmas.generation.ray_session``.
@@ -40,6 +44,9 @@ writes nothing.
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -53,7 +60,15 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from drmas.config import DrmasConfig, SamplingConfig
-from drmas.generation.named_pool import NAMESPACE, free_pool, named_placement_group, pool_name, run_workers, worker_name
+from drmas.generation.named_pool import (
+    NAMESPACE,
+    free_pool,
+    named_placement_group,
+    pool_lease,
+    pool_name,
+    run_workers,
+    worker_name,
+)
 from drmas.generation.ray_session import ray_session, slot_request
 from drmas.generation.workers import GenerationResult, PolicyNotLoaded, WorkerGroupRuntime
 from drmas.infra.cpus import cpu_threads
@@ -61,7 +76,7 @@ from drmas.infra.layout import PolicyRef
 from drmas.infra.progress import Mirror
 from drmas.infra.store import Store
 
-__all__ = ["ACTOR_RESTARTS", "PoolOnDemand", "RayPool", "WorkerGroupDied"]
+__all__ = ["ACTOR_RESTARTS", "HeldLease", "PoolBusy", "PoolLeaseLost", "PoolOnDemand", "RayPool", "WorkerGroupDied"]
 
 log = logging.getLogger("drmas")
 ACTOR_RESTARTS = 3
@@ -75,10 +90,80 @@ PROGRESS_GROUP = "progress"
 update is while the default group runs it."""
 PROGRESS_POLL_S = 2.0
 """How often the pool asks a training worker how far it is (``drmas.infra.progress``)."""
+LEASE_STALE_S = 60.0
+"""A driver of a run's pool silent (no heartbeat) for this long is taken for dead (a
+killed task), and the next driver takes the pool's lease."""
+LEASE_WAIT_S = 3600.0
+"""How long a driver waits for the pool's lease while another, live, holds it."""
+LEASE_SAY_EVERY_S = 30.0
+"""How often a waiting driver says whom it waits for."""
 
 
 class WorkerGroupDied(RuntimeError):
     """A worker group's actor died more often than ``ACTOR_RESTARTS`` allows."""
+
+
+class PoolBusy(RuntimeError):
+    """Another driver held the run's pool for longer than this one could wait."""
+
+
+class PoolLeaseLost(RuntimeError):
+    """This driver's lease on the run's pool went to another (it was silent too long, or
+    the pool was freed): it stops using the pool."""
+
+
+class HeldLease:
+    """This driver's hold on a run's pool lease: taken (waiting while another live driver
+    holds it), renewed by a heartbeat thread, released when the pool object is closed."""
+
+    def __init__(self, prefix: str, stale_after_s: float = LEASE_STALE_S, wait_s: float = LEASE_WAIT_S) -> None:
+        self.prefix, self.stale_after_s = prefix, stale_after_s
+        self.holder = f"{socket.gethostname()}/pid {os.getpid()}/{uuid.uuid4().hex[:6]}"
+        self.actor = pool_lease(prefix)
+        self.lost, self.stopped = threading.Event(), threading.Event()
+        self._take(wait_s)
+        threading.Thread(target=self._heartbeat, name="drmas-pool-lease", daemon=True).start()
+
+    def _take(self, wait_s: float) -> None:
+        started = said = time.monotonic()
+        while (holder := ray.get(self.actor.acquire.remote(self.holder, self.stale_after_s))) is not None:
+            waited = time.monotonic() - started
+            if waited > wait_s:
+                raise PoolBusy(
+                    f"the run's pool {self.prefix} has been driven by {holder} for the {wait_s:.0f} s this "
+                    "driver waited; see `drmas pool status`"
+                )
+            if time.monotonic() - said >= LEASE_SAY_EVERY_S:
+                print(f"drmas: waiting {waited:.0f} s for the run's pool: {holder} drives it", flush=True)
+                said = time.monotonic()
+            time.sleep(min(1.0, self.stale_after_s / 4))
+
+    def _heartbeat(self) -> None:
+        while not self.stopped.wait(self.stale_after_s / 4):
+            try:
+                held = ray.get(self.actor.renew.remote(self.holder), timeout=self.stale_after_s / 2)
+            except ray.exceptions.GetTimeoutError:
+                continue  # the cluster is slow to answer: the next beat tries again
+            except ray.exceptions.RayError:
+                held = False  # the lease actor is gone: the pool was freed
+            if not held:
+                self.lost.set()
+                return
+
+    def check(self) -> None:
+        """Raise when this driver no longer holds the pool (before every use of it)."""
+        if self.lost.is_set():
+            raise PoolLeaseLost(
+                f"this driver ({self.holder}) lost the lease on the run's pool {self.prefix} (silent for over "
+                f"{self.stale_after_s:.0f} s, or the pool was freed); the stage stopped and wrote nothing"
+            )
+
+    def release(self) -> None:
+        self.stopped.set()
+        try:
+            ray.get(self.actor.release.remote(self.holder), timeout=30)
+        except ray.exceptions.RayError:
+            pass  # the pool was freed: nothing to release
 
 
 class RayPool:
@@ -109,6 +194,7 @@ class RayPool:
         self.groups = {group.name: group for group in config.worker_groups()}
         self.slots = {wg: config.slots_of(wg) for wg in self.groups}
         self.threads = threads or cpu_threads()
+        self.lease = HeldLease(self.prefix) if run else None
         self.placement = self._placement()
         self.workers = {wg: [self._worker(wg, slot) for slot in self.slots[wg]] for wg in self.groups}
         self._adopt_warm_state()
@@ -183,7 +269,10 @@ class RayPool:
         self.close()
 
     def close(self) -> None:
-        """Leave the pool: a run's pool stays for the run's next stage; another is removed."""
+        """Leave the pool: a run's pool stays for the run's next stage (its lease goes to
+        whoever waits); another is removed."""
+        if self.lease is not None:
+            self.lease.release()
         if not self.run:
             for workers in self.workers.values():
                 for worker in workers:
@@ -214,7 +303,9 @@ class RayPool:
         workers = len(self.workers[wg])
         bounds = [round(len(messages) * k / workers) for k in range(workers + 1)]
         chunks = {i: (bounds[i], messages[bounds[i] : bounds[i + 1]]) for i in range(workers)}
-        parts = self._each(wg, "generate", sampling=sampling, seed=seed, per_worker=chunks)
+        parts = self._each(
+            wg, "generate", sampling=sampling, seed=seed, policy=self.policies.get(wg), per_worker=chunks
+        )
         return [result for part in parts for result in part]
 
     def status(self) -> dict[str, list[dict[str, object]]]:
@@ -228,6 +319,8 @@ class RayPool:
         process group, after the engines on its slots released their memory; returns rank
         0's result. A worker lost meanwhile: the group is rebuilt and ``fn`` runs again."""
         while True:
+            if self.lease is not None:
+                self.lease.check()
             self._release_slots(wg)
             self._form_group(wg)
             refs = [worker.run.remote(fn, *args) for worker in self.workers[wg]]
@@ -309,6 +402,8 @@ class RayPool:
             first, messages = per_worker[rank]
             return (messages,), {**kwargs, "first": first}
 
+        if self.lease is not None:
+            self.lease.check()
         refs = []
         for rank, worker in enumerate(self.workers[wg]):
             call_args, call_kwargs = arguments(rank)

@@ -42,7 +42,14 @@ from drmas.infra.store import Artifact, Store, StoreLocation
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GenerationResult", "PolicyNotLoaded", "WorkerGroupRuntime", "stop_token_ids", "truncate_prompt"]
+__all__ = [
+    "GenerationResult",
+    "PolicyMismatch",
+    "PolicyNotLoaded",
+    "WorkerGroupRuntime",
+    "stop_token_ids",
+    "truncate_prompt",
+]
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,12 @@ class GenerationResult:
 class PolicyNotLoaded(RuntimeError):
     """Asked to generate or resume before any policy was loaded: in a pool, the sign of an
     actor that Ray restarted (it starts empty), which the pool answers by reloading."""
+
+
+class PolicyMismatch(RuntimeError):
+    """Asked to generate from a policy other than the one held: another driver of the pool
+    changed it in between (the pool's lease and the pipelines' pool edges prevent that), so
+    the caller's stage would mix two policies. Refused, never answered."""
 
 
 class WorkerGroupRuntime:
@@ -96,6 +109,8 @@ class WorkerGroupRuntime:
         self.system_prompt = system_prompt
         self.cache_dir = Path(cache_dir or Path.home() / ".cache" / "drmas" / "policies")
         self.version: str | None = None
+        self.policy: PolicyRef | None = None
+        """The stored policy whose weights the engine holds (loaded, or adopted in memory)."""
         self.tokenizer = None
         self.stop_ids: list[int] = []
         self.rank, self.world = 0, 1
@@ -139,6 +154,7 @@ class WorkerGroupRuntime:
     def _load_policy(self, policy: PolicyRef) -> bool:
         artifact, version = self._version_of(policy)
         if version == self.version:
+            self.policy = policy  # the same weights, stored under another name
             return False
         local = self._download(artifact, policy.prefix, version)
         base = lora_base(Store.from_config(self.store_location), policy)
@@ -150,7 +166,7 @@ class WorkerGroupRuntime:
         except PolicyError as error:  # it names the local cache: say where the policy is stored
             raise PolicyError(f"{artifact.uri}: {str(error).removeprefix(f'{local}: ')}") from None
         self.stop_ids = stop_token_ids(self.tokenizer)
-        self.version = version
+        self.version, self.policy = version, policy
         return True
 
     def _download(self, artifact: Artifact, prefix: str, version: str) -> Path:
@@ -189,7 +205,7 @@ class WorkerGroupRuntime:
             return
         _, version = self._version_of(policy)
         self.engine.set_weights(weights)
-        self.version = version
+        self.version, self.policy = version, policy
 
     def _version_of(self, policy: PolicyRef) -> tuple[Artifact, str]:
         """The stored policy's artifact and version (a digest of its files' digests)."""
@@ -281,6 +297,7 @@ class WorkerGroupRuntime:
         return {
             "name": self.name,
             "version": self.version,
+            "policy": self.policy.artifact if self.policy is not None else None,
             "resident": self.engine.resident,
             "pid": os.getpid(),
             "rank": self.rank,
@@ -291,12 +308,24 @@ class WorkerGroupRuntime:
     # -- generation --------------------------------------------------------------------
 
     def generate(
-        self, messages: list[str], sampling: SamplingConfig, seed: int, first: int = 0
+        self,
+        messages: list[str],
+        sampling: SamplingConfig,
+        seed: int,
+        first: int = 0,
+        policy: PolicyRef | None = None,
     ) -> list[GenerationResult]:
         """One batched generate: every message is one user turn, chat-formatted; the
-        messages are requests ``first..`` of a call seeded ``seed`` (one seed per request)."""
+        messages are requests ``first..`` of a call seeded ``seed`` (one seed per request).
+        ``policy``: the policy the caller expects to generate from; another is refused."""
         if self.tokenizer is None:
             raise PolicyNotLoaded(f"worker group {self.name!r}: generate() before load_policy()")
+        if policy is not None and policy != self.policy:
+            held = self.policy.artifact if self.policy is not None else "none"
+            raise PolicyMismatch(
+                f"worker group {self.name!r}: asked to generate from {policy.artifact}, but it holds {held}: "
+                "another driver used the run's pool in between; this stage stopped rather than mix two policies"
+            )
         prompts = [self._encode(message) for message in messages]
         with self._in_use():
             generations = self.engine.generate(

@@ -1,0 +1,112 @@
+"""One driver of a run's pool at a time (issue 29 §1): the pool's lease, on a real local Ray,
+and a worker that refuses to generate from a policy other than the one its caller expects.
+
+Why: Argo starts every task whose dependencies are done, and each task's pool object keeps
+its own record of which engines are resident and which policy each worker group holds. Two
+at once would load two engines onto one device, or a stage would generate from weights
+another stage swapped in. The pipelines' pool edges order the tasks; the lease and the
+policy check make a pipeline without them fail or wait instead of mixing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from drmas.config import load_config
+from drmas.generation.named_pool import free_pool, lease_status, pool_lease, pool_name
+from drmas.generation.pool import HeldLease, PoolBusy, PoolLeaseLost, RayPool
+from drmas.generation.workers import PolicyMismatch, WorkerGroupRuntime
+from drmas.infra.store import Store
+from drmas.stages.policies import init_policies
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+SMALL = [
+    "models.tiny.hidden_size=32",
+    "models.tiny.intermediate_size=64",
+    "models.tiny.num_layers=1",
+    "workers.sharing=none",
+]
+
+
+def test_taking_the_lease_is_atomic(local_ray):
+    """Sixteen drivers ask at once: exactly one gets the lease; the others are told who has it."""
+    import ray
+
+    lease = pool_lease("drmas.lease-test.atomic")
+    answers = ray.get([lease.acquire.remote(f"driver-{i}", 60.0) for i in range(16)])
+    winners = [f"driver-{i}" for i, answer in enumerate(answers) if answer is None]
+    assert len(winners) == 1
+    assert {answer for answer in answers if answer is not None} == set(winners)
+    ray.kill(lease, no_restart=True)
+
+
+def test_a_second_driver_waits_for_the_first_and_gives_up_when_told(local_ray, capsys):
+    prefix = "drmas.lease-test.wait"
+    first = HeldLease(prefix, stale_after_s=4.0)
+    taken: list[float] = []
+
+    def second_driver() -> None:
+        second = HeldLease(prefix, stale_after_s=4.0, wait_s=60.0)
+        taken.append(time.monotonic())
+        second.release()
+
+    waiting = threading.Thread(target=second_driver)
+    waiting.start()
+    time.sleep(3.0)  # several heartbeats: the first stays live, the second keeps waiting
+    assert not taken
+    with pytest.raises(PoolBusy, match=rf"{prefix} has been driven by .*pid"):
+        HeldLease(prefix, stale_after_s=4.0, wait_s=0.5)
+    released = time.monotonic()
+    first.release()
+    waiting.join(timeout=30)
+    assert taken and taken[0] >= released
+    first.check()  # released, not lost
+
+
+def test_a_silent_drivers_lease_goes_stale_and_a_freed_pool_takes_it_away(local_ray):
+    """A driver that stops beating (a killed task) loses the lease after ``stale_after_s``;
+    a driver whose pool is freed (``drmas pool down``, the idle watchdog) learns it at its
+    next use of the pool."""
+    prefix = pool_name("lease-test", "stale")
+    silent = HeldLease(prefix, stale_after_s=1.0)
+    silent.stopped.set()  # its heartbeat stops, as a killed process's would
+    started = time.monotonic()
+    successor = HeldLease(prefix, stale_after_s=1.0, wait_s=30.0)
+    assert 0.5 < time.monotonic() - started < 10
+    assert lease_status("lease-test", "stale")["holder"] == successor.holder
+    free_pool("lease-test", "stale")
+    deadline = time.monotonic() + 10
+    while not successor.lost.is_set() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(PoolLeaseLost, match="lost the lease on the run's pool drmas.lease-test.stale"):
+        successor.check()
+    assert lease_status("lease-test", "stale") is None
+
+
+def test_a_runs_pool_holds_the_lease_while_open(local_ray, tmp_path):
+    config = load_config(CONFIGS / "math_tiny.yaml", SMALL)
+    store = Store(str(tmp_path / "store"))
+    with RayPool(config, store, cache_dir=tmp_path / "cache", threads=1, run=("lease-test", "open")) as pool:
+        assert lease_status("lease-test", "open")["holder"] == pool.lease.holder
+    assert lease_status("lease-test", "open")["holder"] is None
+    free_pool("lease-test", "open")
+
+
+def test_a_worker_refuses_to_generate_from_a_policy_it_does_not_hold(tmp_path):
+    """The evaluation before training loaded the warm start; an update then handed the
+    worker new weights. The evaluation's next call names the policy it loaded: refused."""
+    config = load_config(CONFIGS / "math_tiny.yaml", [*SMALL, f"store.root={tmp_path / 'store'}"])
+    store = Store.from_config(config.store)
+    policies = init_policies(config, store, "run")
+    worker = WorkerGroupRuntime("solver", store.settings(), cache_dir=str(tmp_path / "cache"), threads=1)
+    worker.load_policy(policies["solver"])
+    sampling = config.rollout.sampling.model_copy(update={"max_new_tokens": 3})
+    assert len(worker.generate(["1 + 1 ="], sampling, seed=0, policy=policies["solver"])) == 1
+    worker.load_policy(policies["verifier"])  # another driver's load (the same model kind)
+    with pytest.raises(PolicyMismatch, match=r"asked to generate from .*/solver, but it holds .*/verifier"):
+        worker.generate(["1 + 1 ="], sampling, seed=0, policy=policies["solver"])
+    assert worker.status()["policy"] == policies["verifier"].artifact
