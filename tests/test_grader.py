@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -430,3 +431,25 @@ def test_a_dapo_response_that_obeys_its_prompt_is_rewarded():
     )
     assert math_reward("Checking the cases gives 34.\nAnswer: 34", question) == 1.0
     assert math_reward("Checking the cases gives 35.\nAnswer: 35", question) == 0.0
+
+
+def test_an_orchestra_starts_the_grader_in_the_background():
+    """A stage's process (a Kubeflow task is a fresh one) starts math-verify's worker when
+    its orchestra is made, off the main thread, so the import overlaps the generations."""
+    probe = """
+import sys, threading, time
+from drmas.config import TaskConfig
+from drmas.tasks import grading
+from drmas.tasks.math import MathOrchestra
+assert "math_verify" not in sys.modules and grading._the_worker is None
+MathOrchestra(TaskConfig(name="math"), tools=None)
+assert "drmas-grader-start" in [t.name for t in threading.enumerate()]
+deadline = time.monotonic() + 60
+while grading._the_worker is None and time.monotonic() < deadline:
+    time.sleep(0.05)
+assert grading._the_worker is not None and "math_verify" in sys.modules
+assert grading.grade_answer("\\\\frac{6}{2}", "3")
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

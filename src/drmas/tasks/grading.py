@@ -603,6 +603,15 @@ def _worker() -> _Worker:
         return _the_worker
 
 
+def start_in_background() -> None:
+    """Start the process's worker now, on a thread of its own: a stage that will grade (a
+    rollout, an evaluation) then imports math-verify (about a second) while its first
+    generations run in the pool, instead of after them. In a Kubeflow task, a fresh process
+    per stage, that second was paid on every rollout. Does nothing once the worker runs."""
+    if _the_worker is None:
+        threading.Thread(target=_worker, name="drmas-grader-start", daemon=True).start()
+
+
 def quiet_dropped_deadlines() -> None:
     """Keep a dropped ``_Deadline`` out of ``sys.unraisablehook``; report anything else.
 

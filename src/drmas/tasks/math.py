@@ -23,7 +23,7 @@ import numpy as np
 from drmas.config import TaskConfig
 from drmas.tasks import DataError, Demonstrations, Question, Split, Tools
 from drmas.tasks.files import read_questions
-from drmas.tasks.grading import answers_match, grade_answer, normalize_answer
+from drmas.tasks.grading import answers_match, grade_answer, normalize_answer, start_in_background
 from drmas.team.agents import (
     MathVerifierAgent,
     SolverAgent,
@@ -357,6 +357,7 @@ class MathOrchestra:
         self.max_loops = task.max_loops
         self.malformed_passes = task.malformed_verdict_passes
         self.agent_objects = {name: cls(prompts=task.prompts) for name, cls in self.agents.items()}
+        start_in_background()  # the grader's import overlaps the first generations
 
     def run(self, episodes: list[Episode], team: Team) -> None:
         pending = list(episodes)
@@ -395,6 +396,7 @@ class SoloOrchestra:
 
     def __init__(self, task: TaskConfig, tools: Tools) -> None:
         self.agent_objects = {"solver": SolverAgent(prompts=task.prompts)}
+        start_in_background()
 
     def run(self, episodes: list[Episode], team: Team) -> None:
         for episode, solution in zip(episodes, team.call("solver", episodes, step=1), strict=True):
