@@ -110,3 +110,25 @@ def test_a_worker_refuses_to_generate_from_a_policy_it_does_not_hold(tmp_path):
     with pytest.raises(PolicyMismatch, match=r"asked to generate from .*/solver, but it holds .*/verifier"):
         worker.generate(["1 + 1 ="], sampling, seed=0, policy=policies["solver"])
     assert worker.status()["policy"] == policies["verifier"].artifact
+
+
+def test_a_pool_the_cluster_cannot_grant_says_so_and_leaves_nothing(local_ray, tmp_path, monkeypatch, capsys):
+    """Patience for GPUs (issue 29 §2): the wait for the pool's slots prints what the
+    cluster has, gives up after ``ray.placement_timeout_s`` with a message that says what
+    to do, removes the placement group it created and hands the lease on."""
+    import drmas.generation.pool as pool_module
+    from drmas.generation.named_pool import named_placement_group
+    from drmas.generation.pool import PoolNotReady
+
+    monkeypatch.setattr(pool_module, "SLOTS_SAY_EVERY_S", 0.5)
+    config = load_config(CONFIGS / "math_tiny.yaml", [*SMALL, "ray.pool_size=3", "ray.placement_timeout_s=2"])
+    store = Store(str(tmp_path / "store"))
+    with pytest.raises(
+        PoolNotReady, match=r"3 slot\(s\) of pool_slot were not granted within .*=2 s; the cluster has 1"
+    ):
+        RayPool(config, store, threads=1, run=("lease-test", "cold"))
+    said = [line for line in capsys.readouterr().out.splitlines() if "waiting" in line]
+    assert len(said) >= 2 and "the cluster has 1 pool_slot" in said[0]
+    assert named_placement_group(pool_name("lease-test", "cold")) is None
+    assert lease_status("lease-test", "cold")["holder"] is None
+    free_pool("lease-test", "cold")

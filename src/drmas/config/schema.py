@@ -590,6 +590,11 @@ class RayConfig(Section):
     idle_timeout_s: float = Field(1800.0, gt=0)
     """A run's pool (named, detached Ray actors that outlive each stage) frees itself after
     this many seconds without a call; the next stage rebuilds it from the store."""
+    placement_timeout_s: float = Field(1800.0, gt=0)
+    """How long a stage waits for the pool's slots (its placement group) to be granted. On a
+    cluster that starts GPU workers on demand (KubeRay autoscaling from zero) a cold
+    scale-up with a 15-20 GB image takes minutes; the wait prints a line every 30 s. Past
+    it the stage fails saying what it asked for and what the cluster has."""
     device_memory_gb: float | None = Field(None, gt=0)
     """Memory of one pool accelerator, in GB (10^9 bytes). Set, ``drmas run``, ``compile``
     and ``submit`` refuse a config whose memory plan (``drmas plan``) does not fit it; unset

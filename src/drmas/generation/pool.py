@@ -76,7 +76,17 @@ from drmas.infra.layout import PolicyRef
 from drmas.infra.progress import Mirror
 from drmas.infra.store import Store
 
-__all__ = ["ACTOR_RESTARTS", "HeldLease", "PoolBusy", "PoolLeaseLost", "PoolOnDemand", "RayPool", "WorkerGroupDied"]
+__all__ = [
+    "ACTOR_RESTARTS",
+    "HeldLease",
+    "PoolBusy",
+    "PoolLeaseLost",
+    "PoolNotReady",
+    "PoolOnDemand",
+    "RayPool",
+    "WorkerGroupDied",
+    "wait_for_slots",
+]
 
 log = logging.getLogger("drmas")
 ACTOR_RESTARTS = 3
@@ -90,6 +100,8 @@ PROGRESS_GROUP = "progress"
 update is while the default group runs it."""
 PROGRESS_POLL_S = 2.0
 """How often the pool asks a training worker how far it is (``drmas.infra.progress``)."""
+SLOTS_SAY_EVERY_S = 30.0
+"""How often a stage waiting for the pool's slots says what the cluster has."""
 LEASE_STALE_S = 60.0
 """A driver of a run's pool silent (no heartbeat) for this long is taken for dead (a
 killed task), and the next driver takes the pool's lease."""
@@ -101,6 +113,34 @@ LEASE_SAY_EVERY_S = 30.0
 
 class WorkerGroupDied(RuntimeError):
     """A worker group's actor died more often than ``ACTOR_RESTARTS`` allows."""
+
+
+class PoolNotReady(RuntimeError):
+    """The cluster did not grant the pool's slots within ``ray.placement_timeout_s``."""
+
+
+def wait_for_slots(placement, resource: str, slots: int, timeout_s: float) -> None:
+    """Wait until ``placement`` (the pool's ``slots`` bundles of ``resource``) is granted,
+    saying every ``SLOTS_SAY_EVERY_S`` what the cluster has meanwhile: a cold GPU scale-up
+    takes minutes, and a silent wait looks hung."""
+    ready, started = placement.ready(), time.monotonic()
+    while True:
+        waited = time.monotonic() - started
+        done, _ = ray.wait([ready], timeout=max(0.0, min(SLOTS_SAY_EVERY_S, timeout_s - waited)))
+        if done:
+            ray.get(done[0])
+            return
+        waited = time.monotonic() - started
+        total = ray.cluster_resources().get(resource, 0.0)
+        free = ray.available_resources().get(resource, 0.0)
+        state = f"the cluster has {total:g} {resource} ({free:g} free)"
+        if waited >= timeout_s:
+            raise PoolNotReady(
+                f"the pool's {slots} slot(s) of {resource} were not granted within ray.placement_timeout_s="
+                f"{timeout_s:g} s; {state}. Scale the GPU worker group up first (see the README's cluster "
+                "section), or raise the timeout"
+            )
+        print(f"drmas: waiting {waited:.0f} s for the pool's {slots} slot(s) of {resource}; {state}", flush=True)
 
 
 class PoolBusy(RuntimeError):
@@ -195,19 +235,32 @@ class RayPool:
         self.slots = {wg: config.slots_of(wg) for wg in self.groups}
         self.threads = threads or cpu_threads()
         self.lease = HeldLease(self.prefix) if run else None
-        self.placement = self._placement()
-        self.workers = {wg: [self._worker(wg, slot) for slot in self.slots[wg]] for wg in self.groups}
-        self._adopt_warm_state()
+        try:
+            self.placement = self._placement()
+            self.workers = {wg: [self._worker(wg, slot) for slot in self.slots[wg]] for wg in self.groups}
+            self._adopt_warm_state()
+        except BaseException:
+            if self.lease is not None:  # the next driver need not wait for this one's silence
+                self.lease.release()
+            raise
 
     # -- building --------------------------------------------------------------------------
 
     def _placement(self):
         placement = named_placement_group(self.prefix) if self.run else None
-        if placement is None:
+        created = placement is None
+        if created:
             bundles = [{self.config.ray.pool_resource: 1.0}] * self.config.ray.pool_size
             detached = "detached" if self.run else None
             placement = placement_group(bundles, strategy="PACK", name=self.prefix, lifetime=detached)
-        ray.get(placement.ready(), timeout=120)
+        try:
+            wait_for_slots(
+                placement, self.config.ray.pool_resource, self.config.ray.pool_size, self.config.ray.placement_timeout_s
+            )
+        except PoolNotReady:
+            if created:  # a pending group would hold its place in the queue for nobody
+                remove_placement_group(placement)
+            raise
         return placement
 
     def _worker(self, wg: str, slot: int):
