@@ -299,6 +299,7 @@ def test_a_runs_pool_outlives_its_stage_and_frees_itself_when_idle(local_ray, tm
         timeout=120,
     )
     assert listed.returncode == 0 and listed.stdout.count("drmas.math-tiny.idle.") == 2, listed.stderr
+    assert "math-tiny/idle: no driver now" in listed.stdout  # both pool objects gave the lease back
     assert main(["pool", "status", "math-tiny"]) == 2  # not EXPERIMENT/RUN_ID
     deadline = time.monotonic() + 60
     while pool_status("math-tiny", "idle") and time.monotonic() < deadline:

@@ -453,7 +453,7 @@ def _pool(args: argparse.Namespace) -> int:
         return fail("pool", "no Ray cluster to ask: pass --address or set RAY_ADDRESS", 2)
     import ray  # noqa: PLC0415
 
-    from drmas.generation.named_pool import free_pool, pool_status  # noqa: PLC0415
+    from drmas.generation.named_pool import free_pool, lease_status, pool_status  # noqa: PLC0415
 
     try:
         ray.init(address=address, log_to_driver=False, configure_logging=False)
@@ -473,6 +473,14 @@ def _pool(args: argparse.Namespace) -> int:
                 if key in worker
             )
             print(f"{worker['worker']} {fields}")
+        lease = lease_status(experiment, run_id)
+        if lease and lease["holder"]:
+            print(
+                f"{args.run}: driven by {lease['holder']} for {lease['held_s']} s "
+                f"(last heartbeat {lease['silent_s']} s ago)"
+            )
+        elif lease:
+            print(f"{args.run}: no driver now")
         return 0
     finally:
         ray.shutdown()
