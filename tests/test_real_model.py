@@ -370,3 +370,52 @@ def test_the_stored_policy_loads_with_from_pretrained_and_generates(trained):
         model = PeftModel.from_pretrained(base_model, policy).merge_and_unload()
     reply = greedy_reply(model, tokenizer, CHAT)
     assert reply.strip() and "8" in reply, reply
+
+
+@pytest.mark.slow
+def test_the_update_scores_a_real_models_samples_as_the_generator_did(local_ray, tmp_path):
+    """Issue 30 §4: the old log-probs the update computes for SmolLM2's sampled tokens (its
+    chat template, the reference prompts of both agents, the Verifier's prompt holding the
+    Solver's answer, sampling at T=0.7 with top-p) equal what the generator reported for
+    them, within 1e-4 in float32. A wrong template, shifted positions, a missed temperature
+    or a prompt cut differently would each move them far more than that."""
+    from drmas.config import load_config
+    from drmas.generation.pool import RayPool
+    from drmas.infra.schema import TRAJECTORY_SCHEMA
+    from drmas.infra.store import Store
+    from drmas.models import load_model, load_tokenizer
+    from drmas.stages.policies import init_policies
+    from drmas.stages.rollout import rollout
+    from drmas.training.batching import collate, sampling_temperatures, token_logprobs
+
+    folder = tmp_path / "smollm2-f32"
+    assert main(["import-gguf", str(smollm2_gguf()), str(folder), "--dtype", "float32"]) == 0
+    settings = [
+        f"models.smollm2.source={folder}",
+        "models.smollm2.dtype=float32",
+        f"data.train={GSM8K_FILES['train']}",
+        f"data.eval={GSM8K_FILES['test']}",
+        f"store.root={tmp_path / 'runs'}",
+        "rollout.prompts_per_iteration=2",
+        "rollout.group_size=2",
+        "rollout.sampling.max_new_tokens=32",
+        "experiment.seed=10",
+    ]
+    config = load_config(CONFIG, settings)
+    store = Store.from_config(config.store)
+    policies = init_policies(config, store, "run")
+    with RayPool(config, store, cache_dir=tmp_path / "cache", threads=1) as pool:
+        result = rollout(config, store, "run", 0, policies, pool)
+    rows = store.open(result.artifact).read_table("trajectories.parquet", TRAJECTORY_SCHEMA).to_pylist()
+    assert {row["agent"] for row in rows} == {"solver", "verifier"}
+    tokenizer, model = load_tokenizer(folder), load_model(folder, "float32")
+    worst = 0.0
+    for row in rows:
+        batch = collate([{**row, "advantage": 0.0}], tokenizer.pad_token_id)
+        with torch.no_grad():
+            scored, _ = token_logprobs(model, batch, False, sampling_temperatures(config, [row["agent"]]))
+        trainer = scored[0][batch.response_mask[0] > 0]
+        generator = torch.tensor(row["rollout_logprobs"])
+        assert trainer.shape == generator.shape
+        worst = max(worst, (trainer - generator).abs().max().item())
+    assert worst < 1e-4, f"largest difference {worst:.2e} over {len(rows)} calls"
