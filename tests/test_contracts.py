@@ -162,6 +162,7 @@ def _in_process_ray() -> dict[str, Any]:
     ray = SimpleNamespace(
         remote=remote,
         get=lambda value, timeout=None: value,
+        wait=lambda refs, timeout=None, num_returns=1: (refs, []),  # the placement group is ready at once
         kill=lambda actor, no_restart=True: None,
         exceptions=SimpleNamespace(RayActorError=type("RayActorError", (Exception,), {})),
     )
