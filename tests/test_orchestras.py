@@ -16,6 +16,7 @@ from helpers import ScriptedPool
 from drmas.config import load_config
 from drmas.stages.rollout import build_team, draw_questions, play
 from drmas.tasks import Question
+from drmas.tasks.math import MathOrchestra, math_reward
 from drmas.tasks.search.retrieval import Retriever
 from drmas.tasks.search.task import SearchOrchestra
 from drmas.team.agents import AnswerAgent, MathVerifierAgent, RouterAgent, SearchAgent, SolverAgent, find_tag
@@ -263,6 +264,63 @@ def test_parsers(agent, text, extracted, valid):
         assert (parsed.text, parsed.is_valid) == (extracted, valid)
     if isinstance(agent, AnswerAgent):
         assert parsed.acted == ("<answer>" in text)
+
+
+REFERENCE = "reference"
+
+
+@pytest.mark.parametrize(
+    ("agent", "text", "passed_on", "verdict", "valid"),
+    [
+        # The Solver: the last box only; an `Answer:` line is no answer; no plain-text rule.
+        (SolverAgent(parsing=REFERENCE), "work\nAnswer: 7", "work\nAnswer: 7", None, False),
+        (SolverAgent(parsing=REFERENCE), "\\boxed{7\u200b}", "\\boxed{7\u200b}", None, True),
+        # Verifiers: the first tag's content stripped in the text passed on; the tags make it
+        # valid; the verdict is the first option whose tagged form occurs (approve wins).
+        (MathVerifierAgent(parsing=REFERENCE), "<verify> reject </verify>", "<verify>reject</verify>", "reject", True),
+        (
+            MathVerifierAgent(parsing=REFERENCE),
+            "<verify>approve</verify> <verify>reject</verify>",
+            "<verify>approve</verify> <verify>reject</verify>",
+            "approve",
+            True,
+        ),
+        (MathVerifierAgent(parsing=REFERENCE), "<verify>Approve</verify>", "<verify>Approve</verify>", "", True),
+        (MathVerifierAgent(parsing=REFERENCE), "がんばれ <verify>approve</verify>", None, "approve", True),
+        (RouterAgent(parsing=REFERENCE), "<VERIFY>Yes</VERIFY> <verify>no</verify>", None, "yes", True),
+        # Search agents: the first tag, one think block, no nested-tag or plain-text rule.
+        (SearchAgent(parsing=REFERENCE), "<think>a</think><search> q1 </search><search>q2</search>", "q1", None, True),
+        (SearchAgent(parsing=REFERENCE), "<search><search>q</search>", "<search>q", None, False),
+        (AnswerAgent(parsing=REFERENCE), "<think>t</think><answer>Par\u200bis</answer>", "Par\u200bis", None, True),
+    ],
+)
+def test_the_references_parsing_rules(agent, text, passed_on, verdict, valid):
+    """``task.parsing: reference`` reads outputs as the authors' code does (issue 31 §2;
+    docs/deviations.md): each case differs from drmas's own rules in what it extracts,
+    its verdict or its validity."""
+    parsed = agent.parse(text)
+    assert (parsed.verdict, parsed.is_valid) == (verdict, valid)
+    if passed_on is not None:
+        assert parsed.text == passed_on
+    drmas_rules = type(agent)().parse(text)
+    assert (drmas_rules.text, drmas_rules.verdict, drmas_rules.is_valid) != (
+        parsed.text,
+        parsed.verdict,
+        parsed.is_valid,
+    )
+    if isinstance(agent, AnswerAgent):
+        assert parsed.acted == ("<answer>" in text)
+
+
+def test_the_math_reward_by_the_references_rules_reads_boxes_only():
+    question = Question("q", "3 + 4?", ("7",), "test")
+    assert math_reward("thinking...\nAnswer: 7", question) == 1.0
+    assert math_reward("thinking...\nAnswer: 7", question, "reference") == 0.0
+    assert math_reward("so \\boxed{7}", question, "reference") == 1.0
+    config = load_config(Path(__file__).parent.parent / "configs" / "math_tiny.yaml", ["task.parsing=reference"])
+    orchestra = MathOrchestra(config.task, Tools())
+    episode = Episode("u", "t", 0, question, final_answer="Answer: 7")
+    assert orchestra.reward(episode) == 0.0 and orchestra.agent_objects["solver"].parsing == REFERENCE
 
 
 def test_find_tag_takes_the_last_and_survives_huge_input():

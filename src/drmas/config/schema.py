@@ -166,6 +166,12 @@ class TaskConfig(Section):
     for models built from scratch, which learn the roles from warm-start demonstrations.
     Unset: compact when a model is built from scratch, else reference (set compact for a
     policy that an earlier run trained from scratch)."""
+    parsing: Literal["drmas", "reference"] = "drmas"
+    """How the built-in agents read outputs (drmas.team.agents): 'drmas', the last tag, exact
+    verdict words, a math answer from the last \\boxed{} or a last 'Answer:' line, plain-text
+    answers; 'reference', the authors' rules: the first tag, a verdict by which tagged word
+    occurs, the last \\boxed{} only, validity by the tags being there and no CJK ideograph.
+    They decide which calls pay the format penalty (docs/deviations.md)."""
 
     @field_validator("retrieval_url")
     @classmethod

@@ -26,9 +26,10 @@ from drmas.tasks.files import read_questions
 from drmas.tasks.grading import answers_match, grade_answer, normalize_answer, start_in_background
 from drmas.team.agents import (
     MathVerifierAgent,
+    ParsingRules,
     SolverAgent,
     extract_boxed,
-    extract_final_answer,
+    math_answer,
     verifier_context,
 )
 from drmas.team.episodes import Episode
@@ -56,13 +57,14 @@ __all__ = [
 # --------------------------------------------------------------------------------------
 
 
-def math_reward(final_text: str | None, question: Question) -> float:
-    """1.0 when the final answer of ``final_text`` (``extract_final_answer``: the last box,
-    or a last line ``Answer: ...``) is right for a gold answer (``grade_answer``), else 0.0.
+def math_reward(final_text: str | None, question: Question, parsing: ParsingRules = "drmas") -> float:
+    """1.0 when the final answer of ``final_text`` (``math_answer``: by drmas's rules the last
+    box or a last line ``Answer: ...``, by the reference's the last box only) is right for a
+    gold answer (``grade_answer``), else 0.0.
 
     A gold answer that is itself boxed is unboxed first, as in the reference.
     """
-    predicted = extract_final_answer(final_text) if final_text else None
+    predicted = math_answer(final_text, parsing) if final_text else None
     if predicted is None:
         return 0.0
     golds = (_unboxed(answer) for answer in question.answers)
@@ -356,7 +358,10 @@ class MathOrchestra:
     def __init__(self, task: TaskConfig, tools: Tools) -> None:
         self.max_loops = task.max_loops
         self.malformed_passes = task.malformed_verdict_passes
-        self.agent_objects = {name: cls(prompts=task.prompts) for name, cls in self.agents.items()}
+        self.parsing = task.parsing
+        self.agent_objects = {
+            name: cls(prompts=task.prompts, parsing=task.parsing) for name, cls in self.agents.items()
+        }
         start_in_background()  # the grader's import overlaps the first generations
 
     def run(self, episodes: list[Episode], team: Team) -> None:
@@ -381,7 +386,7 @@ class MathOrchestra:
             episode.done = True
 
     def reward(self, episode: Episode) -> float:
-        return math_reward(episode.final_answer, episode.question)
+        return math_reward(episode.final_answer, episode.question, self.parsing)
 
 
 class SoloOrchestra:
@@ -395,7 +400,8 @@ class SoloOrchestra:
     agents = {"solver": SolverAgent}
 
     def __init__(self, task: TaskConfig, tools: Tools) -> None:
-        self.agent_objects = {"solver": SolverAgent(prompts=task.prompts)}
+        self.parsing = task.parsing
+        self.agent_objects = {"solver": SolverAgent(prompts=task.prompts, parsing=task.parsing)}
         start_in_background()
 
     def run(self, episodes: list[Episode], team: Team) -> None:
@@ -403,4 +409,4 @@ class SoloOrchestra:
             episode.final_answer, episode.done = solution.text, True
 
     def reward(self, episode: Episode) -> float:
-        return math_reward(episode.final_answer, episode.question)
+        return math_reward(episode.final_answer, episode.question, self.parsing)

@@ -24,6 +24,19 @@ The built-in agents take their words from a prompt set (``drmas.team.prompts``, 
 ``task.prompts``): ``compact``, a line per role for models built from scratch, which learn
 their roles from demonstrations; ``reference``, modelled on the reference's agents for
 pretrained chat models, which follow instructions.
+
+They read outputs by one of two rule sets (``task.parsing``), which decide what is valid
+(and so which calls pay the format penalty, which under Dr. MAS shapes the advantages):
+
+- ``drmas`` (the default): the last tag; a verdict only when the tag holds exactly one of
+  the two words; a math answer from the last ``\boxed{}`` or a last line ``Answer: ...``;
+  an answer must be plain text (``is_plain``), hold no nested tag, and a response no CJK
+  character (kana and Hangul included).
+- ``reference``, as the authors' code reads them: the first tag; a math answer from the
+  last ``\boxed{}`` only; a verdict decided by which tagged word occurs (approve before
+  reject, yes before no), a tag with other content valid but no verdict; validity is the
+  tags being there (and one think block for the search agents) and no character in
+  U+4E00-U+9FFF. docs/deviations.md lists the differences.
 """
 
 from __future__ import annotations
@@ -31,7 +44,7 @@ from __future__ import annotations
 import re
 import unicodedata
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from drmas.team.episodes import Episode
 from drmas.team.prompts import MATH_PROMPTS, SEARCH_PROMPTS, PromptSetName, prompt_set
@@ -44,14 +57,21 @@ __all__ = [
     "RouterAgent",
     "SearchAgent",
     "SolverAgent",
+    "ParsingRules",
     "extract_boxed",
     "extract_final_answer",
     "find_tag",
+    "first_tag",
     "is_plain",
+    "math_answer",
     "verifier_context",
 ]
 
+ParsingRules = Literal["drmas", "reference"]
+"""How agents' outputs are read (``task.parsing``; the module docstring)."""
 CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]")
+REFERENCE_CJK = re.compile(r"[\u4e00-\u9fff]")
+"""The reference's rule: CJK unified ideographs only."""
 HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Co", "Cn", "Cs"})
 """Unicode categories that do not belong in an answer: control, format (zero-width,
 direction marks), private use, unassigned, surrogate."""
@@ -90,6 +110,17 @@ def find_tag(text: str, tag: str) -> str | None:
     close = text.rfind(f"</{tag}>")
     start = text.rfind(f"<{tag}>", 0, close) if close >= 0 else -1
     return text[start + len(tag) + 2 : close].strip() if start >= 0 else None
+
+
+def first_tag(text: str, tag: str) -> tuple[str, int, int] | None:
+    """The first ``<tag>...</tag>`` in ``text`` (the reference's reading): its stripped
+    content and where the content starts and ends, or None."""
+    opening = text.find(f"<{tag}>")
+    close = text.find(f"</{tag}>", opening) if opening >= 0 else -1
+    if close < 0:
+        return None
+    start = opening + len(tag) + 2
+    return text[start:close].strip(), start, close
 
 
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
@@ -198,18 +229,26 @@ def verifier_context(response: str) -> str:
 # ------------------------------------------------------------------------------------
 
 
+def math_answer(text: str, parsing: ParsingRules = "drmas") -> str | None:
+    """A solution's final answer: ``extract_final_answer`` by drmas's rules, the last box
+    only by the reference's. The Solver's validity and the math reward both read it."""
+    return extract_boxed(text) if parsing == "reference" else extract_final_answer(text)
+
+
 @dataclass(frozen=True)
 class SolverAgent:
     """Solves the problem, using teammates' earlier outputs as context."""
 
     prompts: PromptSetName = "compact"
+    parsing: ParsingRules = "drmas"
 
     def prompt(self, episode: Episode, step: int) -> str:
         return prompt_set(MATH_PROMPTS, self.prompts).solver(episode)
 
     def parse(self, response: str) -> Parsed:
-        answer = extract_final_answer(response)
-        return Parsed(text=response, is_valid=answer is not None and is_plain(answer))
+        answer = math_answer(response, self.parsing)
+        plain = self.parsing == "reference" or (answer is not None and is_plain(answer))
+        return Parsed(text=response, is_valid=answer is not None and plain)
 
 
 @dataclass(frozen=True)
@@ -217,12 +256,13 @@ class MathVerifierAgent:
     """Reviews the latest solution and approves or rejects it."""
 
     prompts: PromptSetName = "compact"
+    parsing: ParsingRules = "drmas"
 
     def prompt(self, episode: Episode, step: int) -> str:
         return prompt_set(MATH_PROMPTS, self.prompts).verifier(episode)
 
     def parse(self, response: str) -> Parsed:
-        return _verdict(response, ("approve", "reject"))
+        return _verdict(response, ("approve", "reject"), parsing=self.parsing)
 
 
 # ------------------------------------------------------------------------------------
@@ -230,17 +270,35 @@ class MathVerifierAgent:
 # ------------------------------------------------------------------------------------
 
 
-def _verdict(response: str, options: tuple[str, str], lower: bool = False) -> Parsed:
-    """A <verify> verdict that must be one of ``options`` (anything else is malformed),
-    with the whole response as the text teammates read."""
-    verdict = find_tag(response.lower() if lower else response, "verify")
+def _verdict(response: str, options: tuple[str, str], lower: bool = False, parsing: ParsingRules = "drmas") -> Parsed:
+    """A <verify> verdict, with the whole response as the text teammates read. drmas: the
+    last tag, which must hold one of ``options`` (anything else is malformed). reference:
+    the first tag's content is stripped in the text, the tags being there makes the call
+    valid, and the verdict is the first option whose tagged form the text holds."""
+    text = response.lower() if lower else response
+    if parsing == "reference":
+        found = first_tag(text, "verify")
+        if found is None:
+            return Parsed(text=response.strip(), is_valid=False, verdict="")
+        _, start, close = found
+        projected = response[:start] + response[start:close].strip() + response[close:]
+        tagged = projected.lower() if lower else projected
+        verdict = next((option for option in options if f"<verify>{option}</verify>" in tagged), "")
+        return Parsed(text=projected.strip(), is_valid=not REFERENCE_CJK.search(response), verdict=verdict)
+    verdict = find_tag(text, "verify")
     well_formed = verdict in options and not CJK.search(response)
     return Parsed(text=response.strip(), is_valid=well_formed, verdict=verdict if verdict in options else "")
 
 
-def _tagged_after_thinking(response: str, tag: str) -> Parsed:
-    """The content of <tag>, valid with exactly one think block before it (reference rule),
-    plain, and with no nested <tag> or </tag> inside it."""
+def _tagged_after_thinking(response: str, tag: str, parsing: ParsingRules = "drmas") -> Parsed:
+    """The content of <tag>, valid with exactly one think block before it (reference rule);
+    by drmas's rules also plain, with no nested <tag> or </tag> inside it, and read from the
+    last tag; by the reference's, from the first."""
+    if parsing == "reference":
+        found = first_tag(response, tag)
+        content = found[0] if found is not None else None
+        well_formed = content is not None and _one_think_block(response) and not REFERENCE_CJK.search(response)
+        return Parsed(text=content or "", is_valid=well_formed, acted=content is not None)
     content = find_tag(response, tag)
     well_formed = (
         content is not None
@@ -250,7 +308,7 @@ def _tagged_after_thinking(response: str, tag: str) -> Parsed:
         and _one_think_block(response)
         and not CJK.search(response)
     )
-    return Parsed(text=content or "", is_valid=well_formed)
+    return Parsed(text=content or "", is_valid=well_formed, acted=content is not None)
 
 
 @dataclass(frozen=True)
@@ -259,12 +317,13 @@ class RouterAgent:
 
     history_length: int = 4
     prompts: PromptSetName = "compact"
+    parsing: ParsingRules = "drmas"
 
     def prompt(self, episode: Episode, step: int) -> str:
         return prompt_set(SEARCH_PROMPTS, self.prompts).router(episode, step, self.history_length)
 
     def parse(self, response: str) -> Parsed:
-        return _verdict(response, ("yes", "no"), lower=True)
+        return _verdict(response, ("yes", "no"), lower=True, parsing=self.parsing)
 
 
 @dataclass(frozen=True)
@@ -273,12 +332,13 @@ class SearchAgent:
 
     history_length: int = 4
     prompts: PromptSetName = "compact"
+    parsing: ParsingRules = "drmas"
 
     def prompt(self, episode: Episode, step: int) -> str:
         return prompt_set(SEARCH_PROMPTS, self.prompts).searcher(episode, step, self.history_length)
 
     def parse(self, response: str) -> Parsed:
-        return _tagged_after_thinking(response, "search")
+        return _tagged_after_thinking(response, "search", self.parsing)
 
 
 @dataclass(frozen=True)
@@ -287,6 +347,7 @@ class AnswerAgent:
 
     history_length: int = 4
     prompts: PromptSetName = "compact"
+    parsing: ParsingRules = "drmas"
 
     def prompt(self, episode: Episode, step: int) -> str:
         return prompt_set(SEARCH_PROMPTS, self.prompts).answerer(episode, step, self.history_length)
@@ -294,5 +355,4 @@ class AnswerAgent:
     def parse(self, response: str) -> Parsed:
         """The answer; an output without <answer> tags has not acted (the episode goes on,
         as in the reference's search environment)."""
-        parsed = _tagged_after_thinking(response, "answer")
-        return Parsed(parsed.text, parsed.is_valid, acted=find_tag(response, "answer") is not None)
+        return _tagged_after_thinking(response, "answer", self.parsing)

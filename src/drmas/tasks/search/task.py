@@ -64,7 +64,8 @@ def search_demonstrations(
     task, warm = config.task, config.warmstart
     plans = demonstration_queries(config.data, config.experiment.seed)
     router, searcher, answerer = (
-        cls(history_length=task.history_length, prompts=task.prompts) for cls in (RouterAgent, SearchAgent, AnswerAgent)
+        cls(history_length=task.history_length, prompts=task.prompts, parsing=task.parsing)
+        for cls in (RouterAgent, SearchAgent, AnswerAgent)
     )
     demos: Demonstrations = {"verifier": [], "search": [], "answer": []}
     for question in questions:
@@ -194,7 +195,8 @@ class SearchOrchestra:
         self.malformed_passes = task.malformed_verdict_passes
         self.retriever = tools.retriever
         self.agent_objects = {
-            name: cls(history_length=task.history_length, prompts=task.prompts) for name, cls in self.agents.items()
+            name: cls(history_length=task.history_length, prompts=task.prompts, parsing=task.parsing)
+            for name, cls in self.agents.items()
         }
 
     def run(self, episodes: list[Episode], team: Team) -> None:
