@@ -20,12 +20,13 @@ def evaluate(
     set of the config; ``eval.parquet`` and metrics go to ``{home}/{label}`` beside it
     (``iter-{i}/evaluate``, or ``init/evaluate`` before training). An empty ``label``
     names the output after the eval settings, ``evaluate-{hash}``, as ``drmas eval`` does,
-    so evaluations of one checkpoint on different eval sets do not overwrite each other.
+    so evaluations of one checkpoint on different eval sets do not overwrite each other;
+    ``final`` is the run's final evaluation, with ``eval.final``'s settings.
     ``run_id``: the run whose pool it uses (found warm); empty: a pool of its own.
     """
     from drmas.generation.pool import PoolOnDemand
     from drmas.infra.layout import METRICS_FILE, PolicyRef
-    from drmas.stages.contracts import EvaluateContract, cache_key
+    from drmas.stages.contracts import EvaluateContract, cache_key, evaluation_config
     from drmas.stages.evaluate import evaluate as evaluate_stage
     from drmas.stages.io import open_stage, publish, publish_metrics, reuse_or_compute
 
@@ -39,8 +40,8 @@ def evaluate(
     def compute():
         run = (config.experiment.name, run_id) if run_id else None
         with PoolOnDemand(config, store, None, run=run) as pool:
-            evaluate_stage(config, store, path, refs, pool(), overwrite=True, cache_key=key)
+            evaluate_stage(evaluation_config(config, label), store, path, refs, pool(), overwrite=True, cache_key=key)
 
-    reuse_or_compute(config, store, contract, key, force, compute, label=f"evaluate iter {iteration}")
+    reuse_or_compute(config, store, contract, key, force, compute, label=f"{label or 'evaluate'} iter {iteration}")
     publish(store, path, results, iteration)
     publish_metrics(store.open(path).read_json(METRICS_FILE), metrics)

@@ -241,7 +241,10 @@ class _Builder:
             task = components.checkpoint(config_json=config_json, run_id=run_id, iteration=i, force=forced, **slots)
         elif step.stage == "evaluate":
             policies = made["checkpoint"].outputs["checkpoint"] if "checkpoint" in made else start
-            task = components.evaluate(config_json=config_json, policies=policies, run_id=run_id, force=forced)
+            label = step.variant or "evaluate"  # the final evaluation is stored as iter-N/final
+            task = components.evaluate(
+                config_json=config_json, policies=policies, run_id=run_id, label=label, force=forced
+            )
         else:
             raise ValueError(f"{step.title}: no component for the stage {step.stage!r}")
         return self.task(step.stage, task, step.title, forced)

@@ -9,12 +9,21 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, TINY_OVERRIDES
 
+import drmas.stages.checkpoint as checkpoint_module
 from drmas import runner
 from drmas.config import DrmasConfig, load_config
 from drmas.infra.layout import METRICS_FILE, PolicyRef, StageResult, optim_path, policy_path, stage_path
 from drmas.infra.store import Store
 from drmas.stages.contracts import CONTRACTS
-from drmas.stages.iteration import ITERATION_STAGES, RUN_STAGES, iteration_steps, pool_edges, run_steps
+from drmas.stages.iteration import (
+    ITERATION_STAGES,
+    RUN_STAGES,
+    evaluation_outputs,
+    iteration_steps,
+    pool_edges,
+    run_steps,
+)
+from drmas.stages.track import summary_line
 
 RUN = "iteration"
 
@@ -75,9 +84,9 @@ class StandInStages:
     def __init__(self, config: DrmasConfig, store: Store) -> None:
         self.config, self.store, self.calls = config, store, []
 
-    def _write(self, name: str, path: str, key: str, timing: str = "") -> StageResult:
+    def _write(self, name: str, path: str, key: str, timing: str = "", value: float = 1.0) -> StageResult:
         self.calls.append(name)
-        metrics = {timing or f"time/{name}": 1.0}
+        metrics = {timing or f"time/{name}": value}
         with self.store.writer(path, overwrite=True, meta={"cache_key": key}) as out:
             out.write_bytes("out.txt", name.encode())
             out.write_json(METRICS_FILE, metrics)
@@ -106,11 +115,13 @@ class StandInStages:
             ),
         )
         patch.setattr(runner, "update", update)
-        patch.setattr(
-            runner,
-            "evaluate",
-            lambda c, s, path, policies, pool, overwrite, cache_key: self._write("evaluate", path, cache_key),
-        )
+
+        def evaluate(config, store, path, policies, pool, overwrite, cache_key):
+            """Records the samples per question of the config it was given, as eval/k."""
+            name = "evaluate/final" if path.endswith("/final") else "evaluate"
+            return self._write(name, path, cache_key, "eval/k", float(config.eval.k))
+
+        patch.setattr(runner, "evaluate", evaluate)
         real_checkpoint = runner.checkpoint
 
         def checkpoint(*args, **kwargs):
@@ -152,6 +163,47 @@ def test_the_runner_runs_the_definition_and_reuses_what_it_may(config, monkeypat
     assert iterate(frozenset({f"update/{groups[1]}"})).recomputed == [f"update/{groups[1]}"]
 
 
+def test_the_last_iteration_ends_with_the_final_evaluation_of_its_own_settings(tmp_path, monkeypatch):
+    """``eval.final`` (issue 31 §1): the last iteration's checkpoint is evaluated a second
+    time with the final settings, stored as ``iter-N/final``, its metrics under ``final/``;
+    an iteration counts as done for a resume only with it."""
+    config = two_groups(tmp_path, "experiment.iterations=2", "eval.final.k=16", "eval.final.max_questions=3")
+    assert "evaluate/final" not in [step.name for step in iteration_steps(config, 0)]
+    names = [step.name for step in iteration_steps(config, 1)]
+    assert names[-3:] == ["checkpoint", "evaluate", "evaluate/final"]
+    home = f"{config.experiment.name}/{RUN}/iter-000001"
+    assert evaluation_outputs(config, RUN, 1) == [f"{home}/evaluate", f"{home}/final"]
+    final = config.final_evaluation()
+    assert (final.eval.k, final.eval.max_questions, final.eval.final) == (16, 3, None)
+    assert (final.data.eval, final.eval.sampling) == (config.data.eval, config.eval.sampling)
+
+    store = Store.from_config(config.store)
+    groups = [group.name for group in config.worker_groups()]
+    starting = {}
+    for wg in groups:
+        path = f"{config.experiment.name}/{RUN}/init/policy/{wg}"
+        with store.writer(path) as out:
+            out.write_bytes("weights.txt", wg.encode())
+        starting[wg] = PolicyRef(path)
+    StandInStages(config, store).install(monkeypatch)
+    result = None
+    for i in range(2):
+        result = runner.run_iteration(config, store, RUN, i, starting, dict.fromkeys(groups), starting, lambda: None)
+    assert result.ran == names and result.stages["evaluate/final"] == f"{home}/final"
+    assert (result.metrics["eval/k"], result.metrics["final/eval/k"]) == (config.eval.k, 16.0)
+    # The stand-ins' checkpoints hold no weights: what a resume reads of one is its iteration.
+    monkeypatch.setattr(
+        checkpoint_module,
+        "read_checkpoint",
+        lambda c, s, path: checkpoint_module.ResumePoint(int(path.split("iter-")[1][:6]) + 1, {}, {}),
+    )
+    assert checkpoint_module.resume_point(config, store, RUN).next_iteration == 2
+    store.delete(f"{home}/final")  # killed during the final evaluation: the resume computes it
+    assert checkpoint_module.resume_point(config, store, RUN).next_iteration == 1
+    line = summary_line(1, {"final/eval/avg_at_16": 0.25, "final/eval/pass_at_16": 0.5}, config.eval.k)
+    assert line.endswith("| final eval avg@16 0.250 pass@16 0.500")
+
+
 def compiled_dependencies(config: DrmasConfig, folder: Path, start: int = 0) -> dict[str, set[str]]:
     """Task display name -> the display names of the tasks it depends on, in the compiled
     training pipeline (the IR YAML a KFP backend reads)."""
@@ -176,12 +228,13 @@ def reachable(dependencies: dict[str, set[str]], name: str) -> set[str]:
     return seen
 
 
-@pytest.mark.parametrize("start", [0, 1])
-def test_the_compiled_pipeline_carries_every_edge_of_the_definition(tmp_path, start):
+@pytest.mark.parametrize(("start", "final"), [(0, False), (1, False), (0, True)])
+def test_the_compiled_pipeline_carries_every_edge_of_the_definition(tmp_path, start, final):
     """Every step of the definition is a task; a task waits for every step whose output it
     reads and for the pool user before it; so no two pool users can run at once (Argo
-    starts every task whose dependencies are done)."""
-    config = two_groups(tmp_path, "experiment.iterations=3")
+    starts every task whose dependencies are done). With ``eval.final`` the final
+    evaluation is a task of its own."""
+    config = two_groups(tmp_path, "experiment.iterations=3", *(["eval.final.k=16"] if final else []))
     dependencies = compiled_dependencies(config, tmp_path, start)
     steps = run_steps(config, start, 3, evaluate_before=start == 0)
     by_iteration = {(step.iteration, step.name): step.title for step in steps}
@@ -195,5 +248,6 @@ def test_the_compiled_pipeline_carries_every_edge_of_the_definition(tmp_path, st
     users = [step.title for step in steps if step.uses_pool]
     for position, later in enumerate(users):
         assert set(users[:position]) <= reachable(dependencies, later), f"{later} may overlap a pool user before it"
+    assert ("evaluate final 2" in dependencies) == final
     rollouts = [step for step in steps if step.stage == "rollout"][1:]
     assert all(f"checkpoint {step.iteration - 1}" in dependencies[step.title] for step in rollouts)

@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     eval_cmd.add_argument("--run-id", required=True, help="the run whose checkpoint to evaluate")
     eval_cmd.add_argument("--iteration", type=int, metavar="I", help="checkpointed iteration (default: the last)")
+    eval_cmd.add_argument(
+        "--final", action="store_true", help="with eval.final's settings (its data, k, questions, sampling)"
+    )
     eval_cmd.set_defaults(handler=_eval)
 
     rerun_cmd = commands.add_parser("rerun", help="recompute one stage of an iteration from its stored inputs")
@@ -253,6 +256,8 @@ def _check_inputs(config: DrmasConfig) -> None:
 
     for split in ("train", "eval"):
         task_questions(config, split)
+    if config.eval.final is not None and config.eval.final.data:
+        task_questions(config.final_evaluation(), "eval")
     from drmas.tasks import task_for  # noqa: PLC0415
 
     task_for(config).corpus(config)
@@ -413,6 +418,8 @@ def _eval(args: argparse.Namespace) -> int:
     config = load(args)
     experiment = config.experiment.name
     try:
+        if args.final:
+            config = config.final_evaluation()
         _check_inputs(config)
         store = Store.from_config(config.store)
         if missing := _missing_run(config, store, args.run_id):

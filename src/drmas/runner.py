@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from drmas.analysis.report import as_final
 from drmas.config import ConfigError, DrmasConfig, resolve
 from drmas.generation.pool import PoolOnDemand
 from drmas.infra.layout import (
@@ -44,10 +45,11 @@ from drmas.stages.contracts import (
     StageContract,
     UpdateContract,
     cache_key,
+    evaluation_config,
     reuses,
 )
 from drmas.stages.evaluate import evaluate
-from drmas.stages.iteration import Step, iteration_steps
+from drmas.stages.iteration import FINAL, Step, iteration_steps
 from drmas.stages.policies import init_policies
 from drmas.stages.rollout import rollout
 from drmas.stages.track import RunSummary, eval_line, finish_run, log_iteration, log_question_sets, summary_line
@@ -152,11 +154,13 @@ def run_iteration(
         contract, compute = _stage_call(step, config, store, run_id, policies, optims, reference, pool, out)
         key = cache_key(config, store, contract)
         path = contract.output(config)
+        metrics: dict[str, float] = {}
         if step.name in force or step.stage in force or not reuses(config, store, contract, key):
-            out.metrics.update(compute(key).metrics)
+            metrics = compute(key).metrics
             out.recomputed.append(step.name)
         elif METRICS_FILE in store.open(path).files:
-            out.metrics.update(store.open(path).read_json(METRICS_FILE))
+            metrics = store.open(path).read_json(METRICS_FILE)
+        out.metrics.update(as_final(metrics) if step.variant == FINAL else metrics)
         out.ran.append(step.name)
         if step.stage == "update":
             assert isinstance(contract, UpdateContract) and step.wg is not None
@@ -165,7 +169,7 @@ def run_iteration(
             out.policies[step.wg] = PolicyRef(path)
             out.optims[step.wg] = PolicyRef(out.stages[f"optim/{step.wg}"])
         else:
-            out.stages[step.stage] = path
+            out.stages[step.name] = path
         progress.update(done=step.name)
     progress.close()
     return out
@@ -214,9 +218,17 @@ def _stage_call(
             config, store, run_id, i, training_metrics(config, store, run_id, i), overwrite=True, cache_key=key
         )
     if step.stage == "evaluate":
-        evaluation = EvaluateContract(iteration_path(config.experiment.name, run_id, i), dict(out.policies))
+        label = step.variant or "evaluate"
+        home = iteration_path(config.experiment.name, run_id, i)
+        evaluation = EvaluateContract(home, dict(out.policies), label)
         return evaluation, lambda key: evaluate(
-            config, store, evaluation.output(config), evaluation.policies, pool(), overwrite=True, cache_key=key
+            evaluation_config(config, label),
+            store,
+            evaluation.output(config),
+            evaluation.policies,
+            pool(),
+            overwrite=True,
+            cache_key=key,
         )
     raise ValueError(f"{step.title}: no stage {step.stage!r} in an iteration")
 

@@ -26,10 +26,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from drmas.config import DrmasConfig
-from drmas.infra.layout import evaluation_path, init_home, stage_path
+from drmas.infra.layout import FINAL_EVALUATION, evaluation_path, init_home, iteration_path, stage_path
 from drmas.infra.store import Store
 
-__all__ = ["History", "iteration_metrics", "run_history", "series", "write_report"]
+__all__ = ["FINAL_PREFIX", "History", "as_final", "iteration_metrics", "run_history", "series", "write_report"]
 
 History = list[tuple[int, dict[str, float]]]
 
@@ -60,7 +60,20 @@ def iteration_metrics(config: DrmasConfig, store: Store, run_id: str, i: int) ->
     evaluation = stage_path(experiment, run_id, i, "evaluate")
     if store.exists(evaluation):  # every run evaluates after the checkpoint (drmas.stages.iteration)
         metrics = {**store.open(evaluation).read_json("metrics.json"), **metrics}
+    final = evaluation_path(iteration_path(experiment, run_id, i), FINAL_EVALUATION)
+    if store.exists(final):
+        metrics = {**metrics, **as_final(store.open(final).read_json("metrics.json"))}
     return metrics
+
+
+FINAL_PREFIX = f"{FINAL_EVALUATION}/"
+"""The final evaluation's metrics: ``final/eval/...``."""
+
+
+def as_final(metrics: dict[str, float]) -> dict[str, float]:
+    """A final evaluation's metrics under their own names (``final/eval/avg_at_16``), beside
+    the periodic evaluation of the same checkpoint."""
+    return {f"{FINAL_PREFIX}{key}": value for key, value in metrics.items()}
 
 
 def series(history: History, key: str) -> tuple[list[int], list[float]]:

@@ -42,6 +42,7 @@ __all__ = [
     "DrmasConfig",
     "EvalConfig",
     "ExperimentConfig",
+    "FinalEvalConfig",
     "Location",
     "LoraSpec",
     "ModelSpec",
@@ -516,6 +517,21 @@ class CheckpointConfig(Section):
     """Of the every-N-th optimizer states (the latest aside), keep only the last N; unset: all."""
 
 
+class FinalEvalConfig(Section):
+    """The evaluation of a run's last checkpoint, the paper's protocol: while training, a
+    small sampled set with few samples (``eval``); at the end, the full test sets with many
+    samples per question (avg@16 / pass@16 per data source)."""
+
+    data: str | None = None
+    """Its questions, in the forms of ``data.eval``; unset: ``data.eval``."""
+    k: int = Field(16, ge=1)
+    """Samples per question (avg@k, pass@k)."""
+    max_questions: int | None = Field(None, ge=1)
+    """At most this many questions; unset: all."""
+    sampling: SamplingConfig | None = None
+    """Unset: ``eval.sampling``."""
+
+
 class EvalConfig(Section):
     every: int = Field(0, ge=0)
     """Evaluate every this many iterations (and after the last); 0 never evaluates."""
@@ -525,6 +541,10 @@ class EvalConfig(Section):
     """Sampling for evaluation."""
     max_questions: int | None = Field(None, ge=1)
     """Evaluate on at most this many questions of the eval set."""
+    final: FinalEvalConfig | None = None
+    """Set: the last iteration's checkpoint is also evaluated with these settings (stored as
+    ``iter-N/final``, its metrics logged as ``final/eval/...``), by ``drmas run`` and by
+    the pipelines alike, whatever ``every`` says."""
 
 
 class StoreConfig(Section):
@@ -873,6 +893,23 @@ class DrmasConfig(Section):
         iterations and after the last (never with ``eval.every: 0``)."""
         every = self.eval.every
         return bool(every) and ((iteration + 1) % every == 0 or iteration == self.total_iterations - 1)
+
+    def final_evaluation(self) -> DrmasConfig:
+        """This config as the final evaluation reads it: ``eval`` and ``data.eval`` replaced
+        by ``eval.final``'s settings (which must be set)."""
+        final = self.eval.final
+        if final is None:
+            raise ValueError("eval.final is not set: this run has no final evaluation")
+        evaluation = self.eval.model_copy(
+            update={
+                "k": final.k,
+                "max_questions": final.max_questions,
+                "sampling": final.sampling or self.eval.sampling,
+                "final": None,
+            }
+        )
+        data = self.data.model_copy(update={"eval": final.data or self.data.eval})
+        return self.model_copy(update={"eval": evaluation, "data": data})
 
     def stores_optimizer(self, iteration: int) -> bool:
         """Whether iteration ``iteration``'s update stores its optimizer state

@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 
 __all__ = [
+    "FINAL_EVALUATION",
     "METRICS_FILE",
     "PolicyRef",
     "StageResult",
@@ -43,6 +44,9 @@ __all__ = [
 
 METRICS_FILE = "metrics.json"
 """A stage output's metrics: reports timings, so it is left out of the fingerprint."""
+FINAL_EVALUATION = "final"
+"""The label (``evaluation_path``) of a run's final evaluation, ``iter-N/final``
+(``eval.final``), and the prefix of its metrics (``final/eval/...``)."""
 
 
 @dataclass(frozen=True)

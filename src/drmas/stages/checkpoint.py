@@ -35,6 +35,7 @@ from drmas.infra.layout import (
     stage_path,
 )
 from drmas.infra.store import MANIFEST, ArtifactNotFound, CorruptArtifact, Store
+from drmas.stages.iteration import evaluation_outputs
 
 log = logging.getLogger(__name__)
 
@@ -145,11 +146,10 @@ def resume_point(config: DrmasConfig, store: Store, run_id: str) -> ResumePoint:
         if found is not None and found[2] == "checkpoint"
     )
     # An iteration evaluates after its checkpoint: one killed in between is done up to its
-    # evaluation, which the resumed run computes (its other stages are reused).
+    # evaluations, which the resumed run computes (its other stages are reused).
     done = list(
         itertools.takewhile(
-            lambda i: not config.evaluates(i) or store.exists(stage_path(experiment, run_id, i, "evaluate")),
-            checkpointed,
+            lambda i: all(store.exists(path) for path in evaluation_outputs(config, run_id, i)), checkpointed
         )
     )
     stored = next(

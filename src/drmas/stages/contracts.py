@@ -33,6 +33,7 @@ from drmas.config import WORKER_GROUP_FIELDS, DrmasConfig
 from drmas.infra.caching import is_cached
 from drmas.infra.code import module_fingerprint
 from drmas.infra.layout import (
+    FINAL_EVALUATION,
     METRICS_FILE,
     PolicyRef,
     evaluation_path,
@@ -58,6 +59,7 @@ __all__ = [
     "WarmstartContract",
     "cache_key",
     "reuses",
+    "evaluation_config",
     "settings_label",
     "starting_point_reusable",
 ]
@@ -304,6 +306,13 @@ class UpdateContract(StageContract):
         """Only with its optimizer state stored: skipped, the update leaves no state in the
         pool for the next update to continue from."""
         return store.exists(self.optim_output(config))
+
+
+def evaluation_config(config: DrmasConfig, label: str) -> DrmasConfig:
+    """The config an evaluation labelled ``label`` runs with: the final evaluation's
+    settings (``eval.final``) for ``FINAL_EVALUATION``, else the run's own. Its cache key
+    reads the run's ``eval`` (``eval.final`` included) and ``data`` either way."""
+    return config.final_evaluation() if label == FINAL_EVALUATION else config
 
 
 def settings_label(config: DrmasConfig) -> str:

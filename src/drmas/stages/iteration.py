@@ -2,6 +2,7 @@
 run's pool imposes.
 
     rollout ──► advantage ──► update/wg1 ─► update/wg2 ─► … ──► checkpoint ──► evaluate (when due)
+                                                                       └──► evaluate/final (last, eval.final)
 
 Both ways of running a run follow this definition: the embedded runner
 (``drmas.runner.run_iteration``) executes the steps in this order, and the Kubeflow pipeline
@@ -24,12 +25,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from drmas.config import DrmasConfig
+from drmas.infra.layout import FINAL_EVALUATION, evaluation_path, iteration_path
 
 __all__ = [
+    "FINAL",
     "ITERATION_STAGES",
     "POOL_STAGES",
     "RUN_STAGES",
     "Step",
+    "evaluation_outputs",
     "iteration_steps",
     "pool_edges",
     "run_steps",
@@ -46,6 +50,10 @@ ITERATION_STAGES = RUN_STAGES[2:]
 
 POOL_STAGES = frozenset({"rollout", "update", "evaluate"})
 """The stages that run on the run's pool: at most one of them at a time."""
+
+FINAL = FINAL_EVALUATION
+"""The variant of the evaluation that the last iteration ends with when ``eval.final`` is
+set, and the name of its output (``iter-N/final``)."""
 
 STARTING_POINT = "start"
 """What an iteration's first steps read: the policy set it starts from (the warm start, or
@@ -66,18 +74,21 @@ class Step:
     reads: tuple[str, ...] = ()
     """The names of the steps (of this iteration; or ``STARTING_POINT``, ``REFERENCE``)
     whose outputs it reads."""
+    variant: str | None = None
+    """A second step of one stage in an iteration: ``FINAL`` for the final evaluation."""
 
     @property
     def name(self) -> str:
-        """Unique within an iteration: ``rollout``, ``update/solver``, ..."""
-        return f"{self.stage}/{self.wg}" if self.wg else self.stage
+        """Unique within an iteration: ``rollout``, ``update/solver``, ``evaluate/final``, ..."""
+        part = self.wg or self.variant
+        return f"{self.stage}/{part}" if part else self.stage
 
     @property
     def title(self) -> str:
         """What a person reads in the pipeline's graph and the runner's progress:
-        ``update solver 3``, ``evaluate before training``."""
+        ``update solver 3``, ``evaluate before training``, ``evaluate final 39``."""
         when = "before training" if self.iteration < 0 else str(self.iteration)
-        return " ".join(part for part in (self.stage, self.wg, when) if part)
+        return " ".join(part for part in (self.stage, self.wg, self.variant, when) if part)
 
     @property
     def uses_pool(self) -> bool:
@@ -87,7 +98,8 @@ class Step:
 def iteration_steps(config: DrmasConfig, iteration: int) -> list[Step]:
     """The steps of iteration ``iteration``, in the order they run: rollout, advantage, each
     worker group's update (in the config's order), checkpoint, then the evaluation of the
-    checkpoint when ``eval.every`` makes it due. The checkpoint comes first so that an
+    checkpoint when ``eval.every`` makes it due, and the final evaluation after the last
+    iteration when ``eval.final`` is set. The checkpoint comes first so that an
     iteration is complete (resumable) before it is evaluated, and its metrics are the
     training's only, in every way of running it."""
     groups = [group.name for group in config.worker_groups()]
@@ -100,7 +112,20 @@ def iteration_steps(config: DrmasConfig, iteration: int) -> list[Step]:
     ]
     if config.evaluates(iteration):
         steps.append(Step("evaluate", iteration, reads=("checkpoint",)))
+    if config.eval.final is not None and iteration == config.total_iterations - 1:
+        steps.append(Step("evaluate", iteration, reads=("checkpoint",), variant=FINAL))
     return steps
+
+
+def evaluation_outputs(config: DrmasConfig, run_id: str, iteration: int) -> list[str]:
+    """Where the evaluations due in iteration ``iteration`` write: an iteration is done (a
+    resume moves past it) only once each of them is stored."""
+    home = iteration_path(config.experiment.name, run_id, iteration)
+    return [
+        evaluation_path(home, step.variant or "evaluate")
+        for step in iteration_steps(config, iteration)
+        if step.stage == "evaluate"
+    ]
 
 
 def run_steps(config: DrmasConfig, first: int, last: int, evaluate_before: bool) -> list[Step]:

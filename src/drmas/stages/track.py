@@ -19,12 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from drmas.analysis.report import History, iteration_metrics, run_history, write_report
+from drmas.analysis.report import FINAL_PREFIX, History, iteration_metrics, run_history, write_report
 from drmas.config import DrmasConfig
 from drmas.infra.layout import (
     evaluation_path,
@@ -196,11 +197,14 @@ def summary_line(iteration: int, metrics: dict[str, float], k: int) -> str:
     """One iteration in one line: rewards (mean, per agent), times, evaluation when due."""
     agents = sorted({key.split("/")[1] for key in metrics if key.startswith("agent/") and key.endswith("/reward_mean")})
     per_agent = " ".join(f"{a}={metrics[f'agent/{a}/reward_mean']:.3f}" for a in agents)
-    return (
+    line = (
         f"iter {iteration}: reward {metrics.get('reward/mean', float('nan')):.3f} [{per_agent}] "
         f"rollout {metrics.get('time/rollout', 0):.1f}s iteration {metrics.get('time/iteration', 0):.1f}s"
         + (f" | {eval_line(metrics, k)}" if f"eval/avg_at_{k}" in metrics else "")
     )
+    final = {key.removeprefix(FINAL_PREFIX): value for key, value in metrics.items() if key.startswith(FINAL_PREFIX)}
+    final_k = next((int(m.group(1)) for key in final if (m := re.fullmatch(r"eval/avg_at_(\d+)", key))), None)
+    return line + (f" | final {eval_line(final, final_k)}" if final_k is not None else "")
 
 
 # --- the Kubeflow pipeline's tracking steps -------------------------------------------------
