@@ -1,7 +1,9 @@
 """The container images the components run in, pinned by an immutable tag.
 
-CPU stages run on the CPU image; the stages that hold a model on an accelerator (warm
-start, rollout, update, evaluate) on the GPU image, which has SGLang and CUDA.
+A step runs on the GPU image (SGLang and CUDA) when its pod asks Kubernetes for a GPU (a
+warm start that trains, or a rollout, update or evaluation whose pool runs inside the
+step's own pod), and on the CPU image otherwise: a step that is only a Ray client of the
+run's pool on the KubeRay cluster does its GPU work there (``pipelines.platform``).
 
 The components are created with ``base_image=CPU_IMAGE|GPU_IMAGE`` (the registry
 ``ghcr.io/drmas`` and the installed drmas version as the tag). Those are placeholders

@@ -18,7 +18,8 @@ worker groups, the iterations) is the compiled config's. The stage outputs
 go to ``{store.root}/{experiment}/{run_id}/...`` as with ``drmas run``. ``force`` names
 stages to recompute in this run: their tasks get caching off and ``force=True`` (see
 ``parse_force``). Every task is placed by ``pipelines.platform`` (``placement_for``) and
-runs the image of its flavor (``images``: {"cpu": ..., "gpu": ...}, default the
+runs the image of its placement's flavor (``image_flavor``: the GPU image where the pod asks
+for GPUs, else the CPU image; ``images``: {"cpu": ..., "gpu": ...}, default the
 components' ``base_image``), set per task with ``PipelineTask.set_container_image``.
 
 The train and rl_iteration pipelines log to MLflow as ``drmas run`` does, from small CPU
@@ -40,7 +41,7 @@ from drmas.config import DrmasConfig
 from drmas.infra.layout import stage_path
 from drmas.stages.iteration import RUN_STAGES, Step, run_steps
 from drmas_kfp import components
-from drmas_kfp.pipelines.platform import GPU_STAGES, Placement, cheap_setter_checks, place, placement_for
+from drmas_kfp.pipelines.platform import Placement, cheap_setter_checks, image_flavor, place, placement_for
 
 __all__ = [
     "PIPELINES",
@@ -131,9 +132,10 @@ class _Builder:
     def task(self, stage: str, task: PipelineTask, name: str, forced: bool = False) -> PipelineTask:
         task.set_display_name(name)
         task.set_caching_options(not forced and self._cacheable(stage))
+        placement = self.placement(stage, self.config)
         with cheap_setter_checks():
-            task.set_container_image(self.images["gpu" if stage in GPU_STAGES else "cpu"])
-            return place(task, self.placement(stage, self.config))
+            task.set_container_image(self.images[image_flavor(placement)])
+            return place(task, placement)
 
     def _cacheable(self, stage: str) -> bool:
         """Whether KFP may skip the task when its inputs are the same artifacts. Not an

@@ -27,7 +27,8 @@ kubernetes_executor_config.proto``, at each release tag):
   unknown fields), so the endpoint key becomes required there; 2.2.0-2.4.0 refuse the
   whole task ("failed to unmarshal Kubernetes config").
 - ``SecretAsEnv.secret_name_parameter`` arrived in 2.5.0 (older drivers read the
-  deprecated ``secret_name``, which kfp-kubernetes writes too).
+  deprecated ``secret_name``, which kfp-kubernetes writes too); ``for_backend`` treats
+  ``ImagePullSecret.secret_name_parameter`` (``kubeflow.image_pull_secrets``) the same way.
 - The ``resource*`` fields of a container's resources (``resourceCpuRequest``, ...)
   arrived in KFP's pipeline-spec API with 2.4.0; the API server of 2.2/2.3 refuses an
   unknown field when a run is created (kfp writes the older ``cpuRequest``, ... too).
@@ -58,6 +59,7 @@ __all__ = [
     "CPU_NODES",
     "DEFAULT_BACKEND",
     "GPU_NODES",
+    "GPU_TAINT",
     "MLFLOW_AUTH_KEYS",
     "MLFLOW_AUTH_SECRET",
     "POD_LABEL",
@@ -70,9 +72,11 @@ __all__ = [
     "cheap_setter_checks",
     "check_backend",
     "for_backend",
+    "image_flavor",
     "placement_for",
     "place",
     "update_scratch_size",
+    "warmstart_memory",
 ]
 
 S3_SECRET = "drmas-s3"
@@ -115,6 +119,8 @@ class Placement:
     """Logs to MLflow: gets its client credentials (``MLFLOW_AUTH_SECRET``)."""
     scratch: str | None = None
     """Size limit of an ``emptyDir`` scratch volume at ``SCRATCH`` (``/tmp``), or none."""
+    image_pull_secrets: tuple[str, ...] = ()
+    """Secrets the pod pulls its image with (``kubeflow.image_pull_secrets``)."""
 
 
 CPU_NODES = Placement(
@@ -126,44 +132,89 @@ CPU_NODES = Placement(
     # CPU steps do not tolerate, so they stay off them.
     node_selector={"kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"},
 )
+GPU_TAINT = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+"""The taint GPU node pools carry (GKE and AKS add it to GPU nodes, EKS and operators by
+convention), which only steps that ask for a GPU tolerate."""
 GPU_NODES = Placement(
     cpu="8",
     memory="64Gi",
     cpu_limit="16",
     memory_limit="96Gi",
+    # The GPU itself places the pod: the scheduler puts a request for the nvidia.com/gpu
+    # resource only on nodes whose device plugin advertises it. No label is required
+    # (nvidia.com/gpu.present is written by the GPU Operator alone, which many clusters do
+    # not run); kubeflow.gpu_node_selector adds labels where a cluster has several GPU kinds.
     accelerator_type="nvidia.com/gpu",
     accelerator_count=1,
-    node_selector={"kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64", "nvidia.com/gpu.present": "true"},
-    tolerations=({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},),
+    node_selector={"kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"},
+    tolerations=(GPU_TAINT,),
 )
 
-GPU_STAGES = ("warmstart", "rollout", "update", "evaluate")
-"""Stages whose component runs on the GPU image (components.images)."""
+POOL_STAGES = ("rollout", "update", "evaluate")
+"""The stages that drive the run's pool (``ray``)."""
 
 
 def placement_for(stage: str, config) -> Placement:
     """The placement of ``stage`` for this config.
 
-    The warm start trains a model in the step's own process (it never joins the Ray
-    cluster): GPU nodes, one GPU. Rollout, update and evaluate drive the run's pool: with
-    ``ray.address`` (a KubeRay cluster) the generation and the data-parallel update run
-    on the pool's workers on the cluster's GPUs and the step is only a Ray client, so it
-    runs on CPU nodes (still on the GPU image, which matches the cluster's Python and
-    Ray), with the cluster's token: no GPU is requested outside the pool. Without it the
-    step starts Ray in its own pod and needs the pool's ``ray.pool_size`` GPUs itself.
-    Everything else runs on CPU nodes. Update pods get a scratch volume sized by
-    ``update_scratch_size``.
+    The warm start with ``warmstart.steps`` > 0 trains a model in the step's own process
+    (it never joins the Ray cluster): GPU nodes, one GPU. With 0 steps it only fetches
+    each worker group's initial weights and saves them to the store: CPU nodes, with the
+    memory ``warmstart_memory`` sizes. Rollout, update and evaluate drive the run's pool:
+    with ``ray.address`` (a KubeRay cluster) the generation and the data-parallel update
+    run on the pool's workers on the cluster's GPUs and the step is only a Ray client, so
+    it runs on CPU nodes with the cluster's token: no GPU is requested outside the pool.
+    Without it the step starts Ray in its own pod and needs the pool's ``ray.pool_size``
+    GPUs itself. Everything else runs on CPU nodes. Update pods get a scratch volume sized
+    by ``update_scratch_size``. A step that asks for GPUs also requires the nodes labelled
+    ``kubeflow.gpu_node_selector``; every step pulls with ``kubeflow.image_pull_secrets``.
     """
-    if stage in ("rollout", "update", "evaluate"):
+    gpu_nodes = replace(GPU_NODES, node_selector={**GPU_NODES.node_selector, **config.kubeflow.gpu_node_selector})
+    if stage in POOL_STAGES:
         scratch = update_scratch_size(config) if stage == "update" else None
         if config.ray.address:
-            return replace(CPU_NODES, ray_token=True, scratch=scratch)
-        return replace(GPU_NODES, accelerator_count=config.ray.pool_size, scratch=scratch)
-    if stage in GPU_STAGES:
-        return GPU_NODES
-    if stage in TRACKING_STAGES:
-        return replace(CPU_NODES, mlflow_auth=True)
-    return CPU_NODES
+            placement = replace(CPU_NODES, ray_token=True, scratch=scratch)
+        else:
+            placement = replace(gpu_nodes, accelerator_count=config.ray.pool_size, scratch=scratch)
+    elif stage == "warmstart":
+        placement = gpu_nodes if config.warmstart.steps else replace(CPU_NODES, **warmstart_memory(config))
+    elif stage in TRACKING_STAGES:
+        placement = replace(CPU_NODES, mlflow_auth=True)
+    else:
+        placement = CPU_NODES
+    return replace(placement, image_pull_secrets=tuple(config.kubeflow.image_pull_secrets))
+
+
+def image_flavor(placement: Placement) -> str:
+    """The image a step runs: the GPU image (CUDA, SGLang) where its pod asks for GPUs,
+    else the CPU image, which has the same Python, Ray and drmas (images/): a Ray client of
+    the pool runs there, and CPU nodes never pull the 15-20 GB GPU image."""
+    return "gpu" if placement.accelerator_type and placement.accelerator_count else "cpu"
+
+
+WARMSTART_MEMORY_GIB_UNKNOWN_MODEL = 32
+"""The memory limit of a warm start without steps for a model ``drmas plan`` cannot size."""
+
+
+def warmstart_memory(config) -> dict[str, str]:
+    """``memory`` and ``memory_limit`` of a warm start with no steps, which loads each
+    worker group's model on the CPU and saves it (one group at a time): the largest group's
+    weights twice (the model, and a shard's bytes while safetensors writes it), plus 4 GiB
+    for the process; at least ``CPU_NODES``' limit. The request is the limit: the step
+    needs all of it at its peak."""
+    from drmas.planning import PlanError, architecture_of  # noqa: PLC0415
+
+    largest = 0
+    for group in config.worker_groups():
+        try:
+            architecture, _ = architecture_of(group.model, group.spec)
+        except PlanError:
+            largest = WARMSTART_MEMORY_GIB_UNKNOWN_MODEL << 30
+            break
+        dtype_bytes = 2 if group.spec is not None and group.spec.dtype == "bfloat16" else 4
+        largest = max(largest, 2 * architecture.params * dtype_bytes + (4 << 30))
+    gib = max(-(-largest // (1 << 30)), int(CPU_NODES.memory_limit.removesuffix("Gi")))
+    return {"memory": f"{gib}Gi", "memory_limit": f"{gib}Gi"}
 
 
 DRIVER_SCRATCH_GIB = 2
@@ -242,7 +293,7 @@ def cheap_setter_checks() -> Iterator[None]:
 
 
 def place(task: PipelineTask, placement: Placement, secret: str = S3_SECRET) -> PipelineTask:
-    """Requests, limits, accelerator, node selector, tolerations, the S3 secret as env, the
+    """Requests, limits, accelerator, node selector, tolerations, image pull secrets, the S3 secret as env, the
     Ray token where the step joins the cluster, MLflow's credentials where it logs, the
     scratch volume where it has one, and the pod label the NetworkPolicies admit."""
     kubernetes.add_pod_label(task, label_key=POD_LABEL[0], label_value=POD_LABEL[1])
@@ -254,6 +305,8 @@ def place(task: PipelineTask, placement: Placement, secret: str = S3_SECRET) -> 
         kubernetes.add_node_selector(task, label_key=key, label_value=value)
     for toleration in placement.tolerations:
         kubernetes.add_toleration(task, **toleration)
+    if placement.image_pull_secrets:
+        kubernetes.set_image_pull_secrets(task, list(placement.image_pull_secrets))
     kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env={key: key for key in S3_SECRET_KEYS})
     kubernetes.use_secret_as_env(
         task, secret_name=secret, secret_key_to_env={key: key for key in S3_OPTIONAL_KEYS}, optional=True
@@ -331,6 +384,9 @@ def for_backend(path, backend: str = DEFAULT_BACKEND) -> list[str]:
                 optional.update(f"{item['secretName']}/{key['secretKey']}" for key in item["keyToEnv"])
             if version < (2, 5) and item.pop("secretNameParameter", None) is not None and not item.get("secretName"):
                 raise ValueError("a secret named by a pipeline parameter needs KFP 2.5 or later")
+        for item in executor.get("imagePullSecret", []) if version < (2, 5) else ():
+            if item.pop("secretNameParameter", None) is not None and not item.get("secretName"):
+                raise ValueError("an image pull secret named by a pipeline parameter needs KFP 2.5 or later")
     if optional:
         changes.append(f"secret keys required (KFP {backend} has no optional ones): {', '.join(sorted(optional))}")
     if version < (2, 5):

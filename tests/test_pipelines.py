@@ -28,7 +28,6 @@ from drmas_kfp.pipelines.build import build_pipeline, compile_pipeline, parse_fo
 from drmas_kfp.pipelines.platform import S3_SECRET, for_backend, update_scratch_size
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU_STAGES = {"warmstart", "rollout", "update", "evaluate"}
 TRACKING = ("track_start", "track", "track_end")
 TRACKED = ("track-start", "track", "track-end")
 """The tracking steps' component names, and their kfp.local task names in a one-iteration run."""
@@ -95,12 +94,13 @@ def test_every_pipeline_compiles_loads_back_and_pins_the_images(tmp_path, name, 
         for i in range(first, last)
     )
     before = int(kind == "train" and start == 0 and bool(config.eval.every))
+    final = int(config.eval.final is not None and last == config.total_iterations)  # the last checkpoint's
     assert counted == {
         "rollout": last - first,
         "advantage": last - first,
         "update": groups * (last - first),
         "checkpoint": last - first,
-        "evaluate": due + before,
+        "evaluate": due + before + final,
     }
     assert {stage: sum(stage_of(t) == stage for t in tasks.values()) for stage in TRACKING} == {
         "track_start": 1,
@@ -130,9 +130,9 @@ def test_each_stage_is_placed_and_gets_the_s3_secret(tmp_path):
             label = task["componentRef"]["name"].replace("comp-", "exec-")
             container = spec["deploymentSpec"]["executors"][label]["container"]
             k8s = executors[label]
-            assert container["image"] == (components.GPU_IMAGE if stage in GPU_STAGES else components.CPU_IMAGE), (
-                task_name
-            )
+            trains_in_pod = stage == "warmstart" and config.warmstart.steps > 0
+            on_gpu = trains_in_pod or (stage in {"rollout", "update", "evaluate"} and not config.ray.address)
+            assert container["image"] == (components.GPU_IMAGE if on_gpu else components.CPU_IMAGE), task_name
             secret_keys = {
                 (s["secretName"], e["secretKey"], e["envVar"], s["optional"])
                 for s in k8s["secretAsEnv"]
@@ -144,7 +144,6 @@ def test_each_stage_is_placed_and_gets_the_s3_secret(tmp_path):
             assert (S3_SECRET, "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL", True) in secret_keys
             assert "resourceCpuRequest" in container["resources"] and "resourceMemoryLimit" in container["resources"]
             assert k8s["nodeSelector"]["labels"]["kubernetes.io/arch"] == "amd64"
-            on_gpu = stage == "warmstart" or (stage in {"rollout", "update", "evaluate"} and not config.ray.address)
             accelerator = container["resources"].get("accelerator")
             if on_gpu:
                 count = config.ray.pool_size if stage in {"rollout", "evaluate"} else 1
@@ -154,7 +153,7 @@ def test_each_stage_is_placed_and_gets_the_s3_secret(tmp_path):
                     "type": "nvidia.com/gpu",
                     "count": str(count),
                 }, task_name
-                assert k8s["nodeSelector"]["labels"]["nvidia.com/gpu.present"] == "true"
+                assert k8s["nodeSelector"]["labels"] == {"kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"}
                 assert k8s["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
             else:
                 assert accelerator is None and "tolerations" not in k8s, task_name
@@ -317,6 +316,7 @@ def test_compile_names_the_images_given_or_last_built_on_every_executor(tmp_path
                 config,
                 "experiment.epochs=null",
                 "experiment.iterations=2",
+                "warmstart.steps=1",  # a warm start that trains: the one step on the GPU image
                 "-o",
                 str(out),
                 "--run-id",
@@ -329,8 +329,8 @@ def test_compile_names_the_images_given_or_last_built_on_every_executor(tmp_path
         spec, platform = yaml.safe_load_all(out.read_text())
         tasks = executors_by_task(spec, platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"])
         flavors: dict[str, set[str]] = {"cpu": set(), "gpu": set()}
-        for stage, container, _ in tasks.values():
-            flavors["gpu" if stage in GPU_STAGES else "cpu"].add(container["image"])
+        for _, container, _ in tasks.values():
+            flavors["gpu" if container["resources"].get("accelerator") else "cpu"].add(container["image"])
         start = next(t for t in spec["root"]["dag"]["tasks"].values() if stage_of(t) == "track_start")
         return flavors, start["inputs"]["parameters"]["image"]["runtimeValue"]["constant"], captured.err
 
@@ -484,19 +484,6 @@ def test_compile_counts_a_run_given_in_epochs_and_names_a_disagreeing_iteration_
     capsys.readouterr()
     assert main(["compile", file, "experiment.iterations=5", *epochs, "-o", str(out)]) == 2
     assert "experiment.iterations: is 5, but experiment.epochs 1 is 3 iterations" in capsys.readouterr().err
-
-
-def test_compile_warns_when_a_pipeline_runs_more_iterations_than_one_kfp_run_should(tmp_path, capsys):
-    file = str(ROOT / "configs" / "math_tiny.yaml")
-    out = tmp_path / "pipeline.yaml"
-    assert main(["compile", file, "experiment.iterations=3", "eval.every=0", "-o", str(out)]) == 0
-    assert "warning: the pipeline runs" not in capsys.readouterr().err
-    options = ["experiment.iterations=3", "eval.every=0", "-o", str(out), "--iterations-per-run", "2"]
-    assert main(["compile", file, *options]) == 0
-    err = capsys.readouterr().err
-    assert "warning: the pipeline runs 3 iterations, more than --iterations-per-run 2" in err
-    assert main(["compile", file, *options, "--iterations", "2"]) == 0
-    assert "warning: the pipeline runs" not in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------
@@ -882,7 +869,7 @@ def test_submit_posts_the_compiled_pipeline_with_its_parameters(tmp_path, capsys
     assert pipeline == json.loads(json.dumps(on_disk)), "the posted spec is the compiled pipeline"
     assert pipeline["pipelineInfo"]["name"] == "drmas-train-math-qwen3-4b"
     images = {e["container"]["image"] for e in pipeline["deploymentSpec"]["executors"].values()}
-    assert images == {components.CPU_IMAGE, components.GPU_IMAGE}
+    assert images == {components.CPU_IMAGE}  # every step of the GPU recipe is a Ray client or on CPU
     assert all(
         any(s["secretName"] == S3_SECRET for s in e["secretAsEnv"])
         for e in platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"].values()

@@ -195,15 +195,15 @@ def test_the_torch_backend_and_float32_keep_adam_beside_the_weights():
 
 def test_activations_with_and_without_checkpointing_and_the_logits():
     """Without checkpointing every layer keeps its share; with it, every layer keeps its
-    input (b·h) and one layer is recomputed at a time. The logits are four fp32 copies of
-    tokens x vocab."""
+    input (b·h) and one layer is recomputed at a time. The logits, whole: the model's bf16
+    logits and their gradient, four fp32 copies and the fp32 gradient flowing back."""
     group = tiny_plan("train.gradient_checkpointing=false").groups[0]
     assert group.micro_batch_tokens == TINY_TOKENS
     assert group.activations_full == TINY_TOKENS * (4 * TINY_LAYER_BYTES + TINY_FINAL_NORM)
     assert group.activations_checkpointed == TINY_TOKENS * (4 * 2 * 128 + TINY_LAYER_BYTES + TINY_FINAL_NORM)
     assert group.activations == group.activations_full
     assert tiny_plan("train.gradient_checkpointing=true").groups[0].activations == group.activations_checkpointed
-    assert group.logits == TINY_TOKENS * 512 * 4 * 4
+    assert group.logits == TINY_TOKENS * 512 * (2 * 2 + 4 * (4 + 1))
 
 
 @pytest.mark.parametrize(
@@ -218,8 +218,8 @@ def test_micro_batch_tokens_follow_the_packing(max_tokens, expected):
 def test_a_kl_reference_model_adds_its_weights_and_logits():
     plain, with_kl = tiny_plan().groups[0], tiny_plan("algorithm.kl_coef=0.01").groups[0]
     assert with_kl.reference_model == TWO_PSI
-    assert with_kl.logits == plain.logits * 6 // 4
-    assert with_kl.update_peak == plain.update_peak + TWO_PSI + plain.logits // 2
+    assert with_kl.logits == plain.logits + TINY_TOKENS * 512 * 4 * 2  # the reference's two fp32 copies
+    assert with_kl.update_peak == plain.update_peak + TWO_PSI + TINY_TOKENS * 512 * 4 * 2
 
 
 @pytest.mark.parametrize(
@@ -250,18 +250,18 @@ def test_the_papers_recipes_fit_80_gb_gpus(recipe, overrides):
 
 
 def test_the_math_recipe_without_its_token_cap_fits_only_with_chunked_log_probs():
-    """Two rows of 8192 + 4096 tokens in one micro-batch: 59.7 GB of fp32 logits alone when
-    the log-probs are computed over the whole micro-batch at once; in chunks of 1024
-    positions, the model's bf16 logits (7.5 GB) and one chunk's fp32 copies (5.0 GB). (The
-    recipe's four rows without the cap: 57.4 GB with chunks, README "Memory plan".)"""
+    """Two rows of 8192 + 4096 tokens in one micro-batch: 89.6 GB of logits alone when the
+    log-probs are computed over the whole micro-batch at once; in chunks of 1024 positions,
+    three whole-size bf16 tensors (the logits, the slices' zero-filled gradients, the
+    accumulated gradient: 22.4 GB) and one chunk's fp32 copies with their gradient (6.2 GB)."""
     two_rows = ["train.micro_batch_size=2", "train.max_tokens_per_micro_batch=null"]
     whole = plan_memory(load_config(MATH_RECIPE, [*two_rows, "train.logprob_chunk_positions=null"]))
     assert not whole.fits
     assert whole.groups[0].micro_batch_tokens == 2 * 12288
-    assert round(whole.groups[0].logits / GB, 1) == 59.7
+    assert round(whole.groups[0].logits / GB, 1) == 89.6
     chunked = plan_memory(load_config(MATH_RECIPE, two_rows))
     vocab = 151936
-    assert chunked.groups[0].logits == 2 * 12288 * vocab * 2 + 2 * 1024 * vocab * 4 * 4
+    assert chunked.groups[0].logits == 3 * 2 * 12288 * vocab * 2 + 2 * 1024 * vocab * 4 * 5
     assert chunked.fits
 
 
@@ -281,8 +281,8 @@ def test_an_oversized_config_is_refused_with_the_numbers(capsys, tmp_path):
         assert main(command) == 2
         err = capsys.readouterr().err
         assert f"drmas {command[0]}: the config does not fit 80 GB per slot (ray.device_memory_gb)" in err
-        assert "update solver: needs 152.0 GB per slot, more than 80.0 GB (weights 8.0 GB, gradients 4.0 GB" in err
-        assert "activations 18.4 GB, logits 119.5 GB" in err
+        assert "update solver: needs 215.5 GB per slot, more than 80.0 GB (weights 8.0 GB, gradients 4.0 GB" in err
+        assert "activations 18.4 GB, logits 179.2 GB, DeepSpeed buffers 1.8 GB, CUDA contexts 4.0 GB" in err
         assert "set train.max_tokens_per_micro_batch to at most" in err
     assert not output.exists()
 
@@ -296,9 +296,11 @@ def test_the_plan_command_prints_the_table_and_exits_by_the_verdict(capsys):
     assert main(["plan", MATH_RECIPE]) == 0
     out = capsys.readouterr().out
     assert "4 slot(s) of 80.0 GB; ZeRO-2 with optimizer offload" in out
-    assert "rollout peak 42.0 GB, update peak 30.5 GB: fits in 80.0 GB" in out
-    assert "host memory per slot: 48.3 GB (every group's training state, kept between updates)" in out
-    for row in ("engine weights", "KV cache", "activations, checkpointing", "activations, none", "logits"):
+    assert "device per slot: rollout peak 42.0 GB, update peak 47.3 GB" in out
+    assert "host per slot: peak 79.9 GB at rollout; between updates 79.9 GB, of which 4 processes 8.0 GB" in out
+    assert "fits in 80.0 GB of device memory\nnot checked: host (set ray.host_memory_gb)" in out
+    rows = ("engine weights", "KV cache", "activations, checkpointing", "activations, none", "logits", "hand-over peak")
+    for row in (*rows, "training state kept", "engine weights kept", "model load (cold update)", "host at cold update"):
         assert row in out
     assert main(["plan", MATH_RECIPE, "--device-memory", "24GB"]) == 1
     assert "does NOT fit in 24.0 GB" in capsys.readouterr().out
@@ -318,3 +320,73 @@ def test_a_bad_device_memory_is_a_usage_error(capsys):
         main(["plan", MATH_RECIPE, "--device-memory", "80 gigs"])
     assert stopped.value.code == 2
     assert "device memory '80 gigs' is not a size" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------
+# The host side, and its refusal
+# --------------------------------------------------------------------------------------
+
+
+def test_a_streamed_optimizer_save_and_restore_hold_copies_of_the_largest_tensor():
+    """The save and the restore stream one parameter's fp32 state at a time: a few copies of
+    the largest (Qwen3-4B's 151936 x 2560 embedding: three for a save, two for a restore) on
+    every rank, whatever the ZeRO stage or the number of slots, not the 12 bytes a parameter
+    of the whole state."""
+    for overrides in ([], ["ray.pool_size=8", "train.zero_stage=3"]):
+        group = plan_memory(load_config(MATH_RECIPE, overrides)).groups[0]
+        assert group.largest_param == 151936 * 2560
+        assert (group.save_host, group.restore_host) == (3 * 151936 * 2560 * 4, 2 * 151936 * 2560 * 4)
+
+
+def test_a_cold_update_loads_the_whole_model_on_the_host_of_every_slot():
+    """Before ZeRO-3 partitions it, the model is whole on every rank's host: the cold update's
+    host phase counts it, while the update from kept state does not."""
+    plan = plan_memory(load_config(MATH_RECIPE, ["train.zero_stage=3", "train.offload_optimizer=false"]))
+    group = plan.groups[0]
+    assert group.load_host == group.params * 2
+    assert group.train_params == group.params * 2 // 4  # partitioned over the 4 slots on the device
+    phases = plan.host_phases()
+    assert phases["cold update solver"] - phases["update solver"] == (
+        group.load_host + group.restore_host - group.handover_host - group.save_host
+    )
+
+
+def test_the_offloaded_optimizer_stays_on_the_host_while_its_group_trains():
+    """Offload: the update brings weights and gradients to the device and leaves the fp32
+    optimizer partition (and DeepSpeed's pinned buffers) on the host; without offload the
+    whole state leaves the host."""
+    offloaded = plan_memory(load_config(MATH_RECIPE))
+    on_device = plan_memory(load_config(MATH_RECIPE, ["train.offload_optimizer=false"]))
+    for plan in (offloaded, on_device):
+        group = plan.groups[0]
+        left = plan.host_phases()["update solver"] - (plan.host_between_phases - group.held_host)
+        assert left == group.optimizer_host + group.offload_buffers_host + group.save_host
+    assert offloaded.groups[0].optimizer_host == 12 * offloaded.groups[0].params // 4
+    assert on_device.groups[0].optimizer_host == on_device.groups[0].offload_buffers_host == 0
+
+
+def test_a_zero3_hand_over_goes_through_dev_shm():
+    """ZeRO-3 hands SGLang host copies of the whole weights, which the push moves into
+    /dev/shm; ZeRO-2 pushes from the device."""
+    zero2 = plan_memory(load_config(MATH_RECIPE))
+    zero3 = plan_memory(load_config(MATH_RECIPE, ["train.zero_stage=3"]))
+    assert zero3.shm - zero2.shm == zero3.groups[0].params * 2
+
+
+def test_a_config_whose_host_need_exceeds_host_memory_is_refused_naming_the_phase(capsys, tmp_path):
+    """The math recipe keeps 79.9 GB per slot on the host between updates (two groups'
+    offloaded training state, their engines' weight backups, four processes, /dev/shm):
+    60 GB is refused before anything starts, 100 GB is not."""
+    plan = plan_memory(load_config(MATH_RECIPE, ["ray.host_memory_gb=60"]))
+    assert plan.fits is False
+    assert plan.problems[0].startswith("host, rollout: needs 79.9 GB per slot, more than 60.0 GB (ray.host_memory_gb)")
+    assert any(problem.startswith("host, cold update solver: needs 79.0 GB") for problem in plan.problems)
+    assert plan_memory(load_config(MATH_RECIPE, ["ray.host_memory_gb=100"])).fits is True
+    output = tmp_path / "pipeline.yaml"
+    assert main(["compile", MATH_RECIPE, "ray.host_memory_gb=60", "-o", str(output)]) == 2
+    assert "host, rollout: needs 79.9 GB per slot, more than 60.0 GB (ray.host_memory_gb)" in capsys.readouterr().err
+    assert not output.exists()
+    host_only = ["ray.device_memory_gb=null", "ray.host_memory_gb=60"]
+    assert main(["compile", MATH_RECIPE, *host_only, "-o", str(output)]) == 2  # the host alone is checked too
+    assert "does not fit 60 GB per slot (ray.host_memory_gb); drmas plan" in capsys.readouterr().err
+    assert not output.exists()

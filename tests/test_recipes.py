@@ -61,7 +61,14 @@ SHARED_REFERENCE = [
     ("compute_log_prob before every update (old log-probs by the trainer)", "train.recompute_old_logprobs", True),
     ("val_kwargs.do_sample=True, temperature=0.6", "eval.sampling.temperature", 0.6),
     ("val_kwargs.top_p=0.95", "eval.sampling.top_p", 0.95),
-    ("env.rollout.val_n=16 (eval mode)", "eval.k", 16),
+    ("env.rollout.val_n=1 (validation during training)", "eval.k", 1),
+    ("env.rollout.val_n=16 (eval mode: the final checkpoint)", "eval.final.k", 16),
+    ("eval mode: every test question", "eval.final.max_questions", None),
+    (
+        "general_projection / math_projection (first tag, last box, the reference's validity)",
+        "task.parsing",
+        "reference",
+    ),
 ]
 
 MATH_REFERENCE = SHARED_REFERENCE + [
@@ -98,6 +105,7 @@ MATH_REFERENCE = SHARED_REFERENCE + [
     ("trainer.total_epochs=2", "experiment.epochs", 2),
     ("no trainer.total_training_steps: the epochs decide", "experiment.iterations", None),
     ("reward_model.ground_truth (drmas_math.py's gold answer)", "data.answer_field", "reward_model.ground_truth"),
+    ("eval mode: test.parquet", "eval.final.data", "s3://drmas/data/drmas_math/test.parquet"),
 ]
 
 SEARCH_REFERENCE = SHARED_REFERENCE + [
@@ -132,6 +140,7 @@ SEARCH_REFERENCE = SHARED_REFERENCE + [
         "data.answer_field",
         "reward_model.ground_truth.target",
     ),
+    ("eval mode: test.parquet", "eval.final.data", "s3://drmas/data/drmas_search/test.parquet"),
 ]
 
 RECIPES = {"math": (MATH_RECIPE, MATH_REFERENCE), "search": (SEARCH_RECIPE, SEARCH_REFERENCE)}

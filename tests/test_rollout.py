@@ -308,3 +308,31 @@ def test_a_runs_pool_outlives_its_stage_and_frees_itself_when_idle(local_ray, tm
     from drmas.generation.named_pool import named_placement_group
 
     assert named_placement_group("drmas.math-tiny.idle") is None
+
+
+def test_on_a_cluster_each_worker_takes_its_own_containers_threads(local_ray, tmp_path):
+    """With ``ray.address`` set the driver's pod knows nothing of the workers' pods: each
+    worker sets its torch threads from its own container's CPUs, not from the driver's and
+    not from the ``OMP_NUM_THREADS=1`` Ray puts in an actor that asks for no CPU."""
+    import ray
+
+    from drmas.infra.cpus import cpu_threads
+
+    address = ray.get_runtime_context().gcs_address
+    config = load_config(CONFIGS / "math_tiny.yaml", [*SMALL, f"ray.address={address}"])
+    with RayPool(config, Store(str(tmp_path / "store")), cache_dir=tmp_path / "cache") as pool:
+        assert pool.threads is None
+        seen = [
+            ray.get(
+                worker.__ray_call__.remote(
+                    lambda self: (
+                        __import__("torch").get_num_threads(),
+                        __import__("os").environ.get("OMP_NUM_THREADS"),
+                    )
+                )
+            )
+            for workers in pool.workers.values()
+            for worker in workers
+        ]
+    assert seen and all(threads == cpu_threads(environment=False) for threads, _ in seen), seen
+    assert {omp for _, omp in seen} == {"1"}  # what Ray set, and the workers did not follow

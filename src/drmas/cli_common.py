@@ -123,10 +123,10 @@ def with_run_length(config: DrmasConfig) -> DrmasConfig:
 
 def refuse_unless_it_fits(command: str, config: DrmasConfig) -> int | None:
     """Exit status 2, the plan's problems printed, when a config cannot fit the devices of
-    ``ray.device_memory_gb``: better now than out of memory an hour into a cluster run.
-    No device memory (CPU runs) or a model the plan cannot size: no check (the latter says
-    so)."""
-    if config.ray.device_memory_gb is None:
+    ``ray.device_memory_gb`` or the host memory of ``ray.host_memory_gb``: better now than
+    out of memory an hour into a cluster run. Neither set (CPU runs) or a model the plan
+    cannot size: no check (the latter says so)."""
+    if config.ray.device_memory_gb is None and config.ray.host_memory_gb is None:
         return None
     from drmas.planning import PlanError, plan_memory  # noqa: PLC0415
 
@@ -140,10 +140,22 @@ def refuse_unless_it_fits(command: str, config: DrmasConfig) -> int | None:
     problems = "\n".join(f"  - {problem}" for problem in plan.problems)
     return fail(
         command,
-        f"the config does not fit {config.ray.device_memory_gb:g} GB per slot (ray.device_memory_gb); "
-        f"drmas plan prints the whole plan:\n{problems}",
+        f"the config does not fit {_limits(config)}; drmas plan prints the whole plan:\n{problems}",
         2,
     )
+
+
+def _limits(config: DrmasConfig) -> str:
+    """The memory a config was checked against: ``80 GB per slot (ray.device_memory_gb)``..."""
+    limits = [
+        f"{value:g} GB per slot ({name})"
+        for name, value in (
+            ("ray.device_memory_gb", config.ray.device_memory_gb),
+            ("ray.host_memory_gb", config.ray.host_memory_gb),
+        )
+        if value is not None
+    ]
+    return " and ".join(limits)
 
 
 def iteration_count(text: str) -> int:

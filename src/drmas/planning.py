@@ -1,23 +1,34 @@
-"""The memory plan of a run: what one pool slot (one accelerator) holds in each phase, and
-whether that fits the device (``drmas plan CONFIG``; docs/architecture.md §7).
+"""The memory plan of a run: what one pool slot (one accelerator and its share of the
+host) holds in each phase, and whether that fits (``drmas plan CONFIG``;
+docs/architecture.md §7).
 
 Every worker group runs on all ``ray.pool_size`` slots, time-shared. On a slot it has one
-worker with its rollout engine and its training shard, and the two never hold memory at
-the same time: engines release theirs before an update, and the training state is
-offloaded after it. So a slot has two peaks:
+worker with its rollout engine and its training shard, and the two never hold device memory
+at the same time: engines release theirs before an update, and the training state is
+offloaded to the host after it. So a slot's device has three peaks:
 
 - **rollout**: the ``ray.max_resident`` largest engines resident at once. SGLang takes
-  ``mem_fraction_static`` of the device for its weights and KV cache (the KV cache is
-  what the weights leave of that share);
+  ``mem_fraction_static`` of the device memory free when it starts for its weights and KV
+  cache (the KV cache is what the weights leave of that share);
 - **update** (one worker group at a time): its training state by ZeRO stage and offload,
-  the activations of one micro-batch, and its logits.
+  DeepSpeed's resident buffers, the activations of one micro-batch, and its logits with
+  their gradients;
+- **hand-over**, right after an update: the training state still resident, the engine's
+  weights mapped back and one bucket of the push.
+
+And its host share has one peak per phase: every group's training state kept offloaded
+between updates, the engines' weight backups, the process baselines and Ray's /dev/shm
+(rollout); the training group's offloaded optimizer, a ZeRO-3 hand-over's host copies and
+an optimizer save (update); the whole model loaded on the host, the optimizer state read
+back (cold update).
 
 Both count the CUDA contexts of the processes on the slot (every group's worker and, with
 SGLang, its engine's scheduler). The numbers are upper bounds for the configured lengths:
 a micro-batch is sized for rows of ``rollout.max_prompt_tokens`` + ``max_new_tokens``
 tokens, as one long row would make it. Pure: reads the config and, for a model given by
 path or hub id, its ``config.json`` (a local folder, the local Hugging Face cache, or the
-built-in table below); never the network.
+built-in table below); never the network. tests/test_plan_measured.py holds the host
+figures to peaks measured on a 20M-parameter model.
 
 Sources of the formulas (and where they are adapted) are on each function; the units are
 bytes, printed in GB (10^9 bytes).
@@ -32,9 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from drmas.config import DrmasConfig, ModelSpec, WorkerGroup
-from drmas.generation.engines.sglang import MEM_FRACTION_STATIC
+from drmas.generation.engines.sglang import MEM_FRACTION_STATIC, PUSH_BUCKET_BYTES
 
 __all__ = [
+    "DEEPSPEED_REDUCE_BUCKET",
     "KNOWN_ARCHITECTURES",
     "Architecture",
     "GroupPlan",
@@ -48,16 +60,47 @@ __all__ = [
 GB = 10**9
 """The plan's unit. An "80 GB" H100 or A100 holds 80 GiB = 85.9 GB, part of which the
 driver keeps: planning against 80 GB leaves that margin."""
-CUDA_CONTEXT_BYTES = GB // 2
-"""An allowance per process that uses the device (the CUDA context with its kernels and
-the caching allocator's slack); typical of recent CUDA and torch, not measured here."""
+CUDA_CONTEXT_BYTES = GB
+"""An allowance per process that uses the device: the CUDA context with its kernels, the
+caching allocator's slack and a worker's NCCL communicator buffers (the GPU review of
+2026-12-03, §2, estimates about 2 GB per DeepSpeed actor with its buckets, which
+``deepspeed_buffers`` counts apart); not measured here."""
+HOST_PROCESS_BYTES = 2 * GB
+"""An allowance per process on the slot for its host memory beyond the tensors counted: the
+Python interpreter with torch, transformers, DeepSpeed and Ray loaded (and for SGLang its
+scheduler with its tokenizer); not measured here."""
+SHM_ALLOWANCE_BYTES = 2 * GB
+"""Ray's object store in /dev/shm (a memory-backed volume on KubeRay, counted in the pod's
+memory): the batches of rows, their results and the metrics that stages pass through it.
+An allowance per slot; a ZeRO-3 hand-over adds its host copies (``handover_host``)."""
 LOGIT_FP32_COPIES = 4
 """fp32 [tokens, vocab] tensors alive at the peak of ``drmas.training.batching.token_logprobs``
 in an update: the temperature-scaled logits, their log-softmax, its exp and the entropy
-product (the backward holds about as many gradients of the same shape)."""
+product. The backward adds the gradient of one of them at a time (``_logit_bytes``)."""
 REFERENCE_LOGIT_FP32_COPIES = 2
 """The frozen reference model's scaled logits and log-softmax (``algorithm.kl_coef`` > 0),
 computed while the policy's are held."""
+DEEPSPEED_REDUCE_BUCKET = 500_000_000
+"""Elements of DeepSpeed's gradient reduction bucket (``reduce_bucket_size``, DeepSpeed
+0.19.8 runtime/zero/config.py:113; drmas leaves it at its default). ZeRO-1/2 allocate it
+once per micro-batch's backward (stage_1_and_2.py:3260-3270, ``contiguous_gradients`` on by
+default, config.py:102; one buffer, ``overlap_comm`` being off below ZeRO-3,
+config.py:384-386), ZeRO-3 once (stage3.py:780-784)."""
+DEEPSPEED_MAX_LIVE_PARAMETERS = 1_000_000_000
+"""The most parameters ZeRO-3 keeps gathered whole at once (``stage3_max_live_parameters``,
+config.py:245)."""
+SAVE_TENSOR_COPIES = 3
+"""Host copies of one parameter's fp32 state counted while the optimizer state is saved
+(``drmas.training.state.write_state``). The code holds two: the tensor being written and
+the next one, which the stream gathers (DeepSpeed's ``get_full_hp_param`` all-reduces into
+a whole fp32 buffer, utils/tensor_fragment.py:87-95) before the loop lets the previous one
+go. On the 20M-parameter model of tests/test_plan_measured.py a ZeRO-1/2 save peaks a few
+MB above two copies of its 33 MB embedding state (the collective's and the interpreter's
+own buffers), so the plan counts a third."""
+RESTORE_TENSOR_COPIES = 2
+"""Host copies of one parameter's fp32 state counted while the optimizer state is restored:
+the tensor read out of the memory-mapped file (``StoredTensors``) and the copy the import
+hands DeepSpeed (``DeepSpeedEngine._import_moments``)."""
 
 
 class PlanError(ValueError):
@@ -93,6 +136,13 @@ class Architecture:
         layer = attention + 3 * h * self.intermediate_size + 2 * h
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return embeddings + self.num_hidden_layers * layer + h
+
+    @property
+    def largest_param(self) -> int:
+        """Elements of the largest parameter: the embedding (and an untied LM head of the same
+        size) in these models, else an MLP or attention projection."""
+        q = self.num_attention_heads * self.head_dim
+        return max(self.vocab_size, self.intermediate_size, q) * self.hidden_size
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV cache of one token: a key and a value per layer and KV head."""
@@ -255,30 +305,64 @@ class GroupPlan:
     """Where the architecture's numbers came from."""
     params: int
     dtype_bytes: int
+    largest_param: int
+    """Elements of the model's largest parameter (the embedding): what one step of a
+    streamed optimizer save or restore holds, and DeepSpeed's per-parameter buffers."""
     sequence_tokens: int
     """The longest row: rollout.max_prompt_tokens + the group's largest max_new_tokens."""
     micro_batch_tokens: int
     engine_share: int | None
-    """SGLang's static share of the device (weights + KV cache); None for the HF engine
-    (transformers: weights only, its KV cache grows per call) or an unknown device."""
+    """SGLang's static share (weights + KV cache), of the device memory free when the engine
+    starts; None for the HF engine (transformers: weights only, its KV cache grows per call)
+    or an unknown device."""
     engine_weights: int
     kv_cache: int | None
     kv_tokens: int | None
     train_params: int
     train_grads: int
     optimizer: int
-    """Optimizer state on the device (fp32 master weights and Adam's moments under mixed
-    precision); 0 when offloaded."""
+    """Optimizer state on the device (fp32 master weights and Adam's moments); 0 when
+    offloaded."""
     optimizer_host: int
     """Optimizer state offloaded to host memory, per slot."""
+    moments: int
+    """Adam's two moments per slot, part of ``optimizer`` or ``optimizer_host``: what a
+    restore creates afresh before it fills them."""
     reference_model: int
+    deepspeed_buffers: int
+    """DeepSpeed's buffers on the device during and after an update, besides the training
+    state (``_deepspeed_buffers``)."""
+    reduce_bucket: int
+    """The gradient reduction bucket, part of ``deepspeed_buffers``: a GPU allocates it
+    whole; a model smaller than it fills (and a CPU run touches) only its share."""
     activations: int
     """At the configured ``train.gradient_checkpointing``."""
     activations_checkpointed: int
     activations_full: int
     logits: int
+    handover_device: int
+    """What the push of the new weights to the engine adds on the device while the training
+    state is still there: the engine's weights mapped back and one bucket in flight."""
     contexts: int
     """CUDA contexts of every process on the slot (they stay while a group trains)."""
+    offload_buffers_host: int
+    """ZeRO-1/2 with optimizer offload: DeepSpeed's pinned host buffers beside the offloaded
+    state (a bf16 copy of the rank's weight partition and one parameter's gradient)."""
+    engine_host: int
+    """The engine's weights in host memory: SGLang's backup of a released engine
+    (``enable_weights_cpu_backup``), the HF engine's copy of the handed-over weights."""
+    load_host: int
+    """A cold update (a new worker, a restart, another policy) loads the whole model on the
+    host on every rank before the engine moves it to the device (``_start_training``)."""
+    handover_host: int
+    """ZeRO-3: the whole weights gathered to host copies on every rank (``full_weights``),
+    which the push to SGLang moves into /dev/shm."""
+    save_host: int
+    """A streamed optimizer save's host copies (``SAVE_TENSOR_COPIES`` x the largest
+    parameter's fp32 state), on every rank."""
+    restore_host: int
+    """A streamed restore's host copies (``RESTORE_TENSOR_COPIES`` x the largest parameter's
+    fp32 state); the moments it fills are counted where they live."""
 
     @property
     def engine(self) -> int:
@@ -286,13 +370,49 @@ class GroupPlan:
         return self.engine_share if self.engine_share is not None else self.engine_weights
 
     @property
+    def training_resident(self) -> int:
+        """The training state on the device while the group trains, with DeepSpeed's buffers
+        and the contexts."""
+        return (
+            self.train_params
+            + self.train_grads
+            + self.optimizer
+            + self.reference_model
+            + self.deepspeed_buffers
+            + self.contexts
+        )
+
+    @property
     def update_fixed(self) -> int:
         """The part of the update peak that does not grow with the micro-batch's tokens."""
-        return self.train_params + self.train_grads + self.optimizer + self.reference_model + self.contexts
+        return self.training_resident
 
     @property
     def update_peak(self) -> int:
         return self.update_fixed + self.activations + self.logits
+
+    @property
+    def handover_peak(self) -> int:
+        return self.training_resident + self.handover_device
+
+    @property
+    def held_host(self) -> int:
+        """Host memory for this group's training state, which its worker keeps offloaded
+        between updates (weights, gradients, optimizer state, reference model, DeepSpeed's
+        pinned offload buffers)."""
+        return (
+            self.train_params
+            + self.train_grads
+            + self.optimizer
+            + self.optimizer_host
+            + self.reference_model
+            + self.offload_buffers_host
+        )
+
+    @property
+    def training_host(self) -> int:
+        """What stays on the host while the group trains: the offloaded optimizer."""
+        return self.optimizer_host + self.offload_buffers_host
 
 
 @dataclass(frozen=True)
@@ -305,7 +425,11 @@ class MemoryPlan:
     gradient_checkpointing: bool
     engine: str
     max_resident: int
+    processes: int
+    """Processes on each slot: every group's worker and, with SGLang, its engine's scheduler."""
     device_memory: int | None
+    host_memory: int | None
+    """The host memory a slot may use (``ray.host_memory_gb``); None: not checked."""
     groups: tuple[GroupPlan, ...]
     problems: tuple[str, ...] = field(default=())
 
@@ -317,30 +441,57 @@ class MemoryPlan:
 
     @property
     def update_peak(self) -> int:
-        return max(group.update_peak for group in self.groups)
+        return max(max(group.update_peak, group.handover_peak) for group in self.groups)
 
     @property
-    def host_memory(self) -> int:
-        """Host memory per slot for every group's training state, which its worker keeps
-        offloaded between updates (weights, gradients, optimizer state, reference model)."""
-        return sum(
-            group.train_params + group.train_grads + group.optimizer + group.optimizer_host + group.reference_model
-            for group in self.groups
-        )
+    def shm(self) -> int:
+        """/dev/shm at its peak: Ray's objects and a ZeRO-3 hand-over's host copies."""
+        return SHM_ALLOWANCE_BYTES + max(group.handover_host for group in self.groups)
+
+    @property
+    def host_between_phases(self) -> int:
+        """Host memory a slot holds whatever runs: every group's training state kept
+        offloaded, every engine's weights on the host, the processes and Ray's /dev/shm."""
+        held = sum(group.held_host + group.engine_host for group in self.groups)
+        return held + self.processes * HOST_PROCESS_BYTES + SHM_ALLOWANCE_BYTES
+
+    def host_phases(self) -> dict[str, int]:
+        """Host memory per slot at each phase's peak. An update brings its group's state to
+        the device, except an offloaded optimizer; at a checkpoint it streams the optimizer
+        state out (``save_host``), and under ZeRO-3 it gathers the weights to host copies for
+        the engine. A cold update has no state held: it loads the model on the host, builds
+        the optimizer (offloaded: on the host) and streams a stored state in. Each sums the
+        steps of its phase, an upper bound where the code frees one before the next."""
+        base = self.host_between_phases
+        phases = {"rollout": base}
+        for group in self.groups:
+            others = base - group.held_host
+            phases[f"update {group.name}"] = others + group.training_host + group.handover_host + group.save_host
+            phases[f"cold update {group.name}"] = others + group.load_host + group.training_host + group.restore_host
+        return phases
+
+    @property
+    def host_peak(self) -> int:
+        return max(self.host_phases().values())
 
     @property
     def fits(self) -> bool | None:
-        """None without a device memory to compare with."""
-        return None if self.device_memory is None else not self.problems
+        """None without a device or host memory to compare with."""
+        return None if self.device_memory is None and self.host_memory is None else not self.problems
 
     def to_dict(self) -> dict[str, Any]:
         return {
             **{key: value for key, value in asdict(self).items() if key != "groups"},
             "rollout_peak": self.rollout_peak,
             "update_peak": self.update_peak,
-            "host_memory": self.host_memory,
+            "host_phases": self.host_phases(),
+            "host_peak": self.host_peak,
+            "shm": self.shm,
             "fits": self.fits,
-            "groups": [{**asdict(group), "update_peak": group.update_peak} for group in self.groups],
+            "groups": [
+                {**asdict(group), "update_peak": group.update_peak, "handover_peak": group.handover_peak}
+                for group in self.groups
+            ],
         }
 
     def text(self) -> str:
@@ -348,11 +499,14 @@ class MemoryPlan:
         return _render(self)
 
 
-def plan_memory(config: DrmasConfig, device_memory: int | None = None) -> MemoryPlan:
-    """The memory plan of ``config`` on its pool; ``device_memory`` (bytes) defaults to
-    ``ray.device_memory_gb``. Raises PlanError for a model it cannot size."""
+def plan_memory(config: DrmasConfig, device_memory: int | None = None, host_memory: int | None = None) -> MemoryPlan:
+    """The memory plan of ``config`` on its pool; ``device_memory`` and ``host_memory``
+    (bytes) default to ``ray.device_memory_gb`` and ``ray.host_memory_gb``. Raises
+    PlanError for a model it cannot size."""
     if device_memory is None and config.ray.device_memory_gb is not None:
         device_memory = round(config.ray.device_memory_gb * GB)
+    if host_memory is None and config.ray.host_memory_gb is not None:
+        host_memory = round(config.ray.host_memory_gb * GB)
     groups = config.worker_groups()
     processes = len(groups) * (2 if config.rollout.engine == "sglang" else 1)
     plans = tuple(_group_plan(config, group, device_memory, processes * CUDA_CONTEXT_BYTES) for group in groups)
@@ -363,7 +517,9 @@ def plan_memory(config: DrmasConfig, device_memory: int | None = None) -> Memory
         gradient_checkpointing=config.train.gradient_checkpointing,
         engine=config.rollout.engine,
         max_resident=min(config.ray.max_resident, len(groups)),
+        processes=processes,
         device_memory=device_memory,
+        host_memory=host_memory,
         groups=plans,
     )
     return replace(plan, problems=tuple(_problems(plan)))
@@ -381,30 +537,36 @@ def _offloads(config: DrmasConfig) -> bool:
 def _group_plan(config: DrmasConfig, group: WorkerGroup, device_memory: int | None, contexts: int) -> GroupPlan:
     architecture, source = architecture_of(group.model, group.spec)
     dtype_bytes = 2 if group.spec is not None and group.spec.dtype == "bfloat16" else 4
-    params = architecture.params
+    params, largest = architecture.params, architecture.largest_param
     sequence = config.rollout.max_prompt_tokens + max(
         config.agent_sampling(agent).max_new_tokens for agent in group.agents
     )
     tokens = _micro_batch_tokens(group.micro_batch_size, sequence, config.train.max_tokens_per_micro_batch)
     weights = params * dtype_bytes
+    sglang = config.rollout.engine == "sglang"
     share = kv = kv_tokens = None
-    if config.rollout.engine == "sglang" and device_memory is not None:
-        share = round(MEM_FRACTION_STATIC * device_memory)
+    if sglang and device_memory is not None:
+        # SGLang sizes its static share from the memory free when it starts (0.5.21:
+        # mem_cache/kv_cache_configurator.py:2177-2229): the contexts are already there.
+        share = round(MEM_FRACTION_STATIC * max(device_memory - contexts, 0))
         kv = max(share - weights, 0)
         kv_tokens = kv // architecture.kv_bytes_per_token(dtype_bytes)
     lora = group.spec.lora if group.spec is not None else None
     adapters = _lora_params(architecture, lora.rank, lora.target_modules) if lora is not None else 0
-    train_params, grads, optimizer = _training_state(config, params, dtype_bytes, adapters)
+    train_params, grads, optimizer, moments = _training_state(config, params, dtype_bytes, adapters)
     checkpointed = architecture.activation_bytes(tokens, dtype_bytes, checkpointing=True)
     full = architecture.activation_bytes(tokens, dtype_bytes, checkpointing=False)
     reference = config.algorithm.kl_coef > 0
     logit_copies = LOGIT_FP32_COPIES + (REFERENCE_LOGIT_FP32_COPIES if reference else 0)
+    offloads, stage = _offloads(config), _zero_stage(config)
+    fp32_state = largest * 4
     return GroupPlan(
         name=group.name,
         model=group.spec.source if group.spec is not None else group.model,
         source=source,
         params=params,
         dtype_bytes=dtype_bytes,
+        largest_param=largest,
         sequence_tokens=sequence,
         micro_batch_tokens=tokens,
         engine_share=share,
@@ -413,26 +575,72 @@ def _group_plan(config: DrmasConfig, group: WorkerGroup, device_memory: int | No
         kv_tokens=kv_tokens,
         train_params=train_params,
         train_grads=grads,
-        optimizer=0 if _offloads(config) else optimizer,
-        optimizer_host=optimizer if _offloads(config) else 0,
+        optimizer=0 if offloads else optimizer,
+        optimizer_host=optimizer if offloads else 0,
+        moments=moments,
         reference_model=weights if reference and lora is None else 0,  # LoRA: the base, adapter off
+        deepspeed_buffers=_deepspeed_buffers(config, params, largest, dtype_bytes),
+        reduce_bucket=_reduce_bucket(config, dtype_bytes),
         activations=checkpointed if config.train.gradient_checkpointing else full,
         activations_checkpointed=checkpointed,
         activations_full=full,
         logits=_logit_bytes(config, tokens, sequence, architecture.vocab_size, dtype_bytes, logit_copies),
+        handover_device=weights + max(PUSH_BUCKET_BYTES, largest * dtype_bytes) if sglang else 0,
         contexts=contexts,
+        offload_buffers_host=(
+            _ceil_div(weights, config.ray.pool_size) + largest * dtype_bytes if offloads and stage in (1, 2) else 0
+        ),
+        engine_host=weights,
+        load_host=weights,
+        handover_host=weights if stage >= 3 else 0,
+        save_host=SAVE_TENSOR_COPIES * fp32_state,
+        restore_host=RESTORE_TENSOR_COPIES * fp32_state,
     )
 
 
+def _reduce_bucket(config: DrmasConfig, dtype_bytes: int) -> int:
+    """DeepSpeed's gradient reduction bucket (0.19.8), allocated whole on the device:
+    ``DEEPSPEED_REDUCE_BUCKET`` elements at the reduction dtype, fp32 where ZeRO-1
+    accumulates in fp32 (stage_1_and_2.py:1253-1254), else the model's. ZeRO-0 and the torch
+    backend have none."""
+    stage, train = _zero_stage(config), config.train
+    if stage == 0:
+        return 0
+    fp32_accumulation = dtype_bytes == 2 and stage == 1 and train.offload_optimizer
+    return DEEPSPEED_REDUCE_BUCKET * (4 if fp32_accumulation else dtype_bytes)
+
+
+def _deepspeed_buffers(config: DrmasConfig, params: int, largest: int, dtype_bytes: int) -> int:
+    """DeepSpeed's buffers on the device beside the training state (0.19.8): the gradient
+    reduction bucket (``_reduce_bucket``); ZeRO-1/2 with offload a one-parameter gradient
+    buffer (stage_1_and_2.py:659-661); ZeRO-3 the parameters it keeps gathered whole, up to
+    ``stage3_max_live_parameters``."""
+    stage = _zero_stage(config)
+    extra = 0
+    if stage == 3:
+        extra = min(DEEPSPEED_MAX_LIVE_PARAMETERS, params) * dtype_bytes
+    elif stage in (1, 2) and config.train.offload_optimizer:
+        extra = largest * dtype_bytes
+    return _reduce_bucket(config, dtype_bytes) + extra
+
+
 def _logit_bytes(config: DrmasConfig, tokens: int, sequence: int, vocab: int, dtype_bytes: int, copies: int) -> int:
-    """The update's [positions x vocab] tensors at their peak: ``copies`` fp32 copies of the
-    whole micro-batch's; with ``train.logprob_chunk_positions``, the model's own logits (its
-    dtype) whole and the fp32 copies of one chunk of positions of every row."""
+    """The update's [positions x vocab] tensors at the peak of the backward.
+
+    Whole (no ``train.logprob_chunk_positions``): the model's logits and their gradient at
+    its dtype, ``copies`` fp32 copies and the fp32 gradient flowing back through them.
+
+    In chunks of c positions (``batching.token_logprobs``): each chunk is a view of the whole
+    logits, which the non-reentrant checkpoint keeps until the last chunk's backward; every
+    chunk's slice backward makes a whole-size zero tensor, and the gradient of the whole
+    logits accumulates in another: three whole-size tensors at the model's dtype (the GPU
+    review of 2026-12-03, §2.2). Beside them, one recomputed chunk of every row: ``copies``
+    fp32 copies and their gradient."""
     chunk = config.train.logprob_chunk_positions
     if chunk is None:
-        return tokens * vocab * 4 * copies
+        return tokens * vocab * (2 * dtype_bytes + 4 * (copies + 1))
     chunked = min(tokens, chunk * max(1, tokens // sequence))
-    return tokens * vocab * dtype_bytes + chunked * vocab * 4 * copies
+    return 3 * tokens * vocab * dtype_bytes + chunked * vocab * 4 * (copies + 1)
 
 
 def _micro_batch_tokens(rows: int, sequence: int, max_tokens: int | None) -> int:
@@ -457,17 +665,22 @@ def _lora_params(architecture: Architecture, rank: int, targets: list[str]) -> i
     return a.num_hidden_layers * rank * sum(sizes.get(target, 0) for target in targets)
 
 
-def _training_state(config: DrmasConfig, params: int, dtype_bytes: int, adapters: int = 0) -> tuple[int, int, int]:
-    """Per slot: (weights, gradients, optimizer state), standard ZeRO accounting (Rajbhandari
-    et al. 2020, "ZeRO", §5): under bf16 mixed precision 2Ψ weights, 2Ψ gradients (4Ψ where
-    they accumulate in fp32: the torch engine; DeepSpeed's ZeRO-2 and -3, and ZeRO-1 with
-    offload, whose fp32 copy is not partitioned: ``drmas.training.engines.deepspeed.deepspeed_config``)
-    and 12Ψ fp32 master weights + Adam moments; in float32 weights, gradients and Adam's two
-    moments at 4 bytes. A LoRA group trains only its adapters' parameters (fp32) beside its
-    frozen base. ZeRO-1 partitions the optimizer state over the data-parallel slots, ZeRO-2
-    the gradients too, ZeRO-3 the weights too."""
+def _training_state(config: DrmasConfig, params: int, dtype_bytes: int, adapters: int = 0) -> tuple[int, int, int, int]:
+    """Per slot: (weights, gradients, optimizer state, Adam's moments within it), standard
+    ZeRO accounting (Rajbhandari et al. 2020, "ZeRO", §5): under bf16 mixed precision 2Ψ
+    weights, 2Ψ gradients (4Ψ where they accumulate in fp32: the torch engine; DeepSpeed's
+    ZeRO-2 and -3, and ZeRO-1 with offload, whose fp32 copy is not partitioned:
+    ``drmas.training.engines.deepspeed.deepspeed_config``) and 12Ψ fp32 master weights +
+    Adam moments; in float32 weights and gradients at 4 bytes, and Adam's two moments (8Ψ),
+    plus 4Ψ of fp32 master partitions under DeepSpeed's ZeRO-1/2/3, which copy them even
+    from fp32 weights (stage_1_and_2.py:557-560; stage3.py's ``fp32_partitioned_groups_flat``).
+    A LoRA group trains only its adapters' parameters (fp32) beside its frozen base. ZeRO-1
+    partitions the optimizer state over the data-parallel slots, ZeRO-2 the gradients too,
+    ZeRO-3 the weights too."""
+    stage, slots = _zero_stage(config), config.ray.pool_size
     if adapters:  # LoRA: the frozen base at its dtype; fp32 adapters, their gradients and moments
         weights, grads, optimizer = params * dtype_bytes + adapters * 4, adapters * 4, adapters * 8
+        moments = adapters * 8
     else:
         mixed = dtype_bytes == 2  # both engines keep fp32 masters
         train = config.train
@@ -478,12 +691,13 @@ def _training_state(config: DrmasConfig, params: int, dtype_bytes: int, adapters
         )
         weights = params * dtype_bytes
         grads = params * (4 if mixed and fp32_grads else dtype_bytes)
-        optimizer = params * (12 if mixed else 2 * dtype_bytes)
-    stage, slots = _zero_stage(config), config.ray.pool_size
+        moments = params * 8
+        optimizer = params * 12 if mixed or stage >= 1 else moments
     return (
         _ceil_div(weights, slots) if stage >= 3 else weights,
         _ceil_div(grads, slots) if stage >= 2 else grads,
         _ceil_div(optimizer, slots) if stage >= 1 else optimizer,
+        _ceil_div(moments, slots) if stage >= 1 else moments,
     )
 
 
@@ -492,14 +706,19 @@ def _ceil_div(value: int, parts: int) -> int:
 
 
 def _problems(plan: MemoryPlan) -> list[str]:
-    """What does not fit in ``plan.device_memory``, with the numbers and the fields to change."""
-    device = plan.device_memory
-    if device is None:
-        return []
+    """What does not fit in ``plan.device_memory`` or ``plan.host_memory``, with the numbers
+    and the fields to change."""
+    problems = _device_problems(plan, plan.device_memory) if plan.device_memory is not None else []
+    if plan.host_memory is not None:
+        problems += _host_problems(plan, plan.host_memory)
+    return problems
+
+
+def _device_problems(plan: MemoryPlan, device: int) -> list[str]:
     problems = []
     if plan.rollout_peak > device:
         engines = (
-            f"SGLang takes mem_fraction_static {MEM_FRACTION_STATIC} of the device per engine"
+            f"SGLang takes mem_fraction_static {MEM_FRACTION_STATIC} of the free device memory per engine"
             if plan.engine == "sglang"
             else "each engine holds its weights"
         )
@@ -511,7 +730,50 @@ def _problems(plan: MemoryPlan) -> list[str]:
         problems += _engine_problems(group)
         if group.update_peak > device:
             problems.append(_update_problem(plan, group, device))
+        if group.handover_peak > device:
+            problems.append(
+                f"hand-over {group.name}: the training state ({_gb(group.training_resident)}) and the engine's "
+                f"weights with one pushed bucket ({_gb(group.handover_device)}) take {_gb(group.handover_peak)} per "
+                f"slot, more than {_gb(device)}; raise train.zero_stage or set train.offload_optimizer"
+            )
     return problems
+
+
+def _host_problems(plan: MemoryPlan, host: int) -> list[str]:
+    """Each host phase over ``host``, with what the slot holds in it."""
+    kept = (
+        f"every group's offloaded training state {_gb(sum(g.held_host for g in plan.groups))}, engines' weights "
+        f"{_gb(sum(g.engine_host for g in plan.groups))}, {plan.processes} processes "
+        f"{_gb(plan.processes * HOST_PROCESS_BYTES)}, /dev/shm {_gb(SHM_ALLOWANCE_BYTES)}"
+    )
+    hint = (
+        "raise ray.pool_size (the state partitions over more slots) or train.zero_stage, unset "
+        "train.offload_optimizer, or give each slot more memory"
+    )
+    phases = plan.host_phases()
+    needs = [("rollout", phases["rollout"], kept)]
+    for group in plan.groups:
+        own = f"{kept}, less {group.name}'s own {_gb(group.held_host)}; offloaded optimizer {_gb(group.training_host)}"
+        zero3 = f", ZeRO-3 weights for the engine {_gb(group.handover_host)}" if group.handover_host else ""
+        needs.append(
+            (
+                f"update {group.name}",
+                phases[f"update {group.name}"],
+                f"{own}{zero3}, optimizer save {_gb(group.save_host)}",
+            )
+        )
+        needs.append(
+            (
+                f"cold update {group.name}",
+                phases[f"cold update {group.name}"],
+                f"{own}, model loaded {_gb(group.load_host)}, optimizer restore {_gb(group.restore_host)}",
+            )
+        )
+    return [
+        f"host, {phase}: needs {_gb(need)} per slot, more than {_gb(host)} (ray.host_memory_gb) ({items}); {hint}"
+        for phase, need, items in needs
+        if need > host
+    ]
 
 
 def _engine_problems(group: GroupPlan) -> list[str]:
@@ -536,6 +798,7 @@ def _update_problem(plan: MemoryPlan, group: GroupPlan, device: int) -> str:
         f"weights {_gb(group.train_params)}, gradients {_gb(group.train_grads)}, optimizer {_gb(group.optimizer)}, "
         f"activations {_gb(group.activations)}, logits {_gb(group.logits)}"
         + (f", reference model {_gb(group.reference_model)}" if group.reference_model else "")
+        + (f", DeepSpeed buffers {_gb(group.deepspeed_buffers)}" if group.deepspeed_buffers else "")
         + f", CUDA contexts {_gb(group.contexts)}"
     )
     per_token = (group.activations + group.logits) / group.micro_batch_tokens
@@ -574,6 +837,7 @@ def _count(params: int) -> str:
 def _render(plan: MemoryPlan) -> str:
     """Rows of items, one column per worker group (GB); then the peaks and the verdict."""
     groups = plan.groups
+    phases = plan.host_phases()
     rows: list[tuple[str, list[str]]] = [
         ("model", [g.model for g in groups]),
         ("parameters", [_count(g.params) for g in groups]),
@@ -588,9 +852,10 @@ def _render(plan: MemoryPlan) -> str:
         ("gradients", [_gb(g.train_grads) for g in groups]),
         ("optimizer on device", [_gb(g.optimizer) for g in groups]),
         *([("optimizer on host", [_gb(g.optimizer_host) for g in groups])] if plan.offload_optimizer else []),
+        ("DeepSpeed buffers", [_gb(g.deepspeed_buffers) for g in groups]),
         ("activations, checkpointing", [_gb(g.activations_checkpointed) for g in groups]),
         ("activations, none", [_gb(g.activations_full) for g in groups]),
-        ("logits", [_gb(g.logits) for g in groups]),
+        ("logits and their gradients", [_gb(g.logits) for g in groups]),
         *(
             [("reference model (KL)", [_gb(g.reference_model) for g in groups])]
             if any(g.reference_model for g in groups)
@@ -598,6 +863,19 @@ def _render(plan: MemoryPlan) -> str:
         ),
         ("CUDA contexts", [_gb(g.contexts) for g in groups]),
         ("update peak", [_gb(g.update_peak) for g in groups]),
+        ("hand-over peak", [_gb(g.handover_peak) for g in groups]),
+        ("HOST (per slot)", ["" for _ in groups]),
+        ("training state kept", [_gb(g.held_host) for g in groups]),
+        ("engine weights kept", [_gb(g.engine_host) for g in groups]),
+        ("model load (cold update)", [_gb(g.load_host) for g in groups]),
+        *(
+            [("ZeRO-3 weights for engine", [_gb(g.handover_host) for g in groups])]
+            if any(g.handover_host for g in groups)
+            else []
+        ),
+        ("optimizer save, restore", [f"{_gb(g.save_host)}, {_gb(g.restore_host)}" for g in groups]),
+        ("host at update", [_gb(phases[f"update {g.name}"]) for g in groups]),
+        ("host at cold update", [_gb(phases[f"cold update {g.name}"]) for g in groups]),
     ]
     names = [g.name for g in groups]
     label_width = max(len(label) for label, _ in rows)
@@ -613,10 +891,20 @@ def _render(plan: MemoryPlan) -> str:
         f"{'on' if plan.gradient_checkpointing else 'off'}, rollout engine {plan.engine} "
         f"({plan.max_resident} resident at once)"
     )
+    peak_phase = max(phases, key=lambda phase: phases[phase])
+    limits = [
+        f"{_gb(plan.device_memory)} of device memory" if plan.device_memory is not None else None,
+        f"{_gb(plan.host_memory)} of host memory" if plan.host_memory is not None else None,
+    ]
+    checked = " and ".join(limit for limit in limits if limit is not None)
+    unchecked = [
+        *(["device (give --device-memory or set ray.device_memory_gb)"] if plan.device_memory is None else []),
+        *(["host (set ray.host_memory_gb)"] if plan.host_memory is None else []),
+    ]
     verdict = {
-        None: "fits: unknown (give --device-memory or set ray.device_memory_gb)",
-        True: f"fits in {device}",
-        False: f"does NOT fit in {device}:\n" + "\n".join(f"  - {problem}" for problem in plan.problems),
+        None: "fits: unknown",
+        True: f"fits in {checked}",
+        False: f"does NOT fit in {checked}:\n" + "\n".join(f"  - {problem}" for problem in plan.problems),
     }[plan.fits]
     return "\n".join(
         [
@@ -625,11 +913,12 @@ def _render(plan: MemoryPlan) -> str:
             line("worker group", names),
             *(line(label, values) for label, values in rows),
             "",
-            f"rollout peak {_gb(plan.rollout_peak)}, update peak {_gb(plan.update_peak)}: {verdict}",
-            *(
-                [f"host memory per slot: {_gb(plan.host_memory)} (every group's training state, kept between updates)"]
-                if plan.host_memory
-                else []
-            ),
+            f"device per slot: rollout peak {_gb(plan.rollout_peak)}, update peak {_gb(plan.update_peak)}",
+            f"host per slot: peak {_gb(phases[peak_phase])} at {peak_phase}; between updates "
+            f"{_gb(plan.host_between_phases)}, of which {plan.processes} processes "
+            f"{_gb(plan.processes * HOST_PROCESS_BYTES)} and Ray's /dev/shm {_gb(SHM_ALLOWANCE_BYTES)}; "
+            f"/dev/shm at its peak {_gb(plan.shm)}",
+            verdict,
+            *([f"not checked: {', '.join(unchecked)}"] if unchecked else []),
         ]
     )

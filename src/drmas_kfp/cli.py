@@ -54,7 +54,29 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="the steps' ServiceAccount (default: drmas-pipeline, or with --namespace '': the namespace's "
         "default-editor; '' for the namespace default)",
     )
+    submit_cmd.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help="a file holding a bearer token for the KFP API server (multi-user Kubeflow from outside the "
+        "cluster, e.g. `kubectl create token default-editor -n NAMESPACE > token`), re-read before every "
+        "request; default $KF_PIPELINES_SA_TOKEN_PATH. A token can also come from $DRMAS_KFP_TOKEN, and "
+        "Kubeflow's login cookie (authservice_session=...) from $DRMAS_KFP_COOKIES",
+    )
     submit_cmd.add_argument("-o", "--output", help="also keep the compiled pipeline here (the first part's)")
+    submit_cmd.add_argument(
+        "--follow",
+        action="store_true",
+        help="stay and submit each next part when the part before it has succeeded; stop on a failure with "
+        "the command that continues. Run again, it submits no part that already succeeded and follows a "
+        "part still running instead of submitting it twice",
+    )
+    submit_cmd.add_argument(
+        "--poll-seconds",
+        type=float,
+        default=FOLLOW_POLL_S,
+        metavar="S",
+        help=f"with --follow: ask the API server for the run's state every S seconds (default {FOLLOW_POLL_S:g})",
+    )
     pipeline_options(submit_cmd)
     _cluster_options(submit_cmd)
     submit_cmd.set_defaults(handler=compile_or_submit)
@@ -148,7 +170,10 @@ LARGE_PIPELINE = 1 << 20
 
 
 ITERATIONS_PER_RUN = 10
-"""The most iterations ``drmas submit`` puts in one KFP run (about 37 KiB of spec each)."""
+"""The most iterations ``drmas compile|submit`` put in one KFP run (about 37 KiB of spec each)."""
+FOLLOW_POLL_S = 60.0
+"""How often ``drmas submit --follow`` asks for the state of the run it follows: an
+iteration of the GPU recipes takes many minutes."""
 
 
 def _cluster_options(command: argparse.ArgumentParser) -> None:
@@ -174,13 +199,15 @@ def _cluster_options(command: argparse.ArgumentParser) -> None:
         type=int,
         default=ITERATIONS_PER_RUN,
         metavar="N",
-        help=f"train: at most N iterations in one KFP run (default {ITERATIONS_PER_RUN}; 0: no limit); submit "
-        "starts the first part and prints the command of each next one, compile warns above it",
+        help=f"train: at most N iterations in one KFP run (default {ITERATIONS_PER_RUN}; 0: no limit); a longer "
+        "run is split in parts: compile writes one file per part, submit starts the first part and prints the "
+        "command of each next one (with --follow it submits each itself)",
     )
 
 
 def _parts(args: argparse.Namespace, config: DrmasConfig) -> list[tuple[int, int]]:
-    """(first iteration, iterations) of each KFP run a train submission takes."""
+    """(first iteration, iterations) of each KFP run a train pipeline is split in; one part
+    (its iterations as given) for a run of at most --iterations-per-run, or another pipeline."""
     start = args.start_iteration
     end = config.iterations_from(start, args.iterations).stop
     size = args.iterations_per_run
@@ -189,35 +216,54 @@ def _parts(args: argparse.Namespace, config: DrmasConfig) -> list[tuple[int, int
     return [(first, min(size, end - first)) for first in range(start, end, size)]
 
 
-def _next_part_command(
-    args: argparse.Namespace, run_id: str, images: dict[str, str], first: int, count: int, part: str
+def _submit_command(
+    args: argparse.Namespace,
+    run_id: str,
+    images: dict[str, str],
+    first: int,
+    count: int | None,
+    run_name: str | None,
+    follow: bool = False,
 ) -> str:
-    """The exact `drmas submit` of a later part: the same config, overrides and options,
-    the run id and images pinned (a later build does not change a run's images)."""
+    """The exact `drmas submit` of a later part (or, with ``follow``, of the parts from
+    ``first`` on): the same config, overrides and options, the run id and images pinned (a
+    later build does not change a run's images). Credentials stay out of it: a token file
+    is named by its path, a token or cookies stay in the environment."""
     import shlex  # noqa: PLC0415
 
     words = ["drmas", "submit", args.config, *args.overrides, "--host", args.host, "--run-id", run_id]
-    words += ["--start-iteration", str(first), "--iterations", str(count)]
+    words += ["--start-iteration", str(first)] + (["--iterations", str(count)] if count is not None else [])
     words += ["--iterations-per-run", str(args.iterations_per_run)]
+    if args.pipeline != "train":
+        words += ["--pipeline", args.pipeline]
+    if args.checkpoint is not None:
+        words += ["--checkpoint", args.checkpoint]
     registries = {reference.rpartition(":")[0].rpartition("/")[0] for reference in images.values()}
     tags = {reference.rpartition(":")[2] for reference in images.values()}
     if len(registries) == 1 and len(tags) == 1:
         words += ["--image-registry", registries.pop(), "--image-tag", tags.pop()]
     if args.kfp_backend != "2.15":
         words += ["--kfp-backend", args.kfp_backend]
-    for option in ("experiment", "namespace", "service_account"):
+    for option in ("experiment", "namespace", "service_account", "token_file"):
         if getattr(args, option) is not None:
             words += [f"--{option.replace('_', '-')}", getattr(args, option)]
-    words += ["--run-name", f"{args.run_name or run_id} {part}"]
+    if run_name is not None:
+        words += ["--run-name", run_name]
     for item in args.force:
         words += ["--force", item]
+    if follow:
+        words += ["--follow"] + (
+            ["--poll-seconds", f"{args.poll_seconds:g}"] if args.poll_seconds != FOLLOW_POLL_S else []
+        )
     return shlex.join(words)
 
 
 def compile_or_submit(args: argparse.Namespace) -> int:
     """``drmas compile`` and ``drmas submit``: the pipeline built from the config and
-    compiled for --kfp-backend, then written (compile) or started on Kubeflow (submit: a
-    train run longer than --iterations-per-run starts its first part and prints the rest)."""
+    compiled for --kfp-backend, then written (compile) or started on Kubeflow (submit). A
+    train run longer than --iterations-per-run is split in parts (``_parts``): compile
+    writes one file per part, submit starts the first part and prints the rest, or with
+    --follow submits each when the one before it has succeeded."""
     config = load(args, logs=False)
     if (refused := refuse_unless_it_fits(args.command, config)) is not None:
         return refused
@@ -229,24 +275,51 @@ def compile_or_submit(args: argparse.Namespace) -> int:
     if args.iterations_per_run < 0:
         return fail(args.command, f"--iterations-per-run must be 0 (no limit) or more, not {args.iterations_per_run}")
     config = with_run_length(config)
-    parts = _parts(args, config) if args.command == "submit" else [(args.start_iteration, args.iterations)]
-    first, count = parts[0]
-    built = _build_pipeline(args, config, run_id, images, first, count if len(parts) > 1 else None)
-    if built is None:
-        return 2
-    func, arguments = built
-    iterations = (
-        len(config.iterations_from(first, count)) if args.pipeline == "train" else int(args.pipeline == "rl_iteration")
-    )
+    parts = _parts(args, config)
     if args.command == "submit":
-        return _submit(args, config, run_id, images, parts, func, arguments, iterations)
-    try:
-        path = _compiled(args, func, Path(args.output), iterations)
-    except ValueError as error:
-        return fail(args.command, error, 2)
-    print(f"compiled the {args.pipeline} pipeline {func.name} to {path}")
-    print(f"parameters: {', '.join(f'{k}={v}' for k, v in arguments.items() if k != 'config_json')} (and config_json)")
+        return _submit(args, config, run_id, images, parts)
+    return _compile_parts(args, config, run_id, images, parts)
+
+
+def _compile_parts(
+    args: argparse.Namespace, config: DrmasConfig, run_id: str, images: dict[str, str], parts: list[tuple[int, int]]
+) -> int:
+    """``drmas compile``: the pipeline written to --output, or, split in parts, each part
+    to its own file beside it (``_part_path``): KFP keeps a run's whole spec, and a
+    200-iteration spec (7.4 MB) is more than its database row and Argo's workflow object
+    in etcd (1.5 MiB) hold. Each part's ``start_checkpoint`` defaults to the checkpoint
+    the part before it ends with, so the parts run one after the other as compiled."""
+    output = Path(args.output)
+    for index, (first, count) in enumerate(parts, start=1):
+        built = _build_pipeline(args, config, run_id, images, first, count if len(parts) > 1 else None)
+        if built is None:
+            return 2
+        func, arguments = built
+        try:
+            path = _compiled(args, func, _part_path(output, index, len(parts)))
+        except ValueError as error:
+            return fail(args.command, error, 2)
+        what = f"iterations {first}..{first + count - 1} (part {index}/{len(parts)}) of " if len(parts) > 1 else ""
+        print(f"compiled {what}the {args.pipeline} pipeline {func.name} to {path}")
+        print(
+            f"parameters: {', '.join(f'{k}={v}' for k, v in arguments.items() if k != 'config_json')} (and config_json)"
+        )
+    if len(parts) > 1:
+        print(
+            f"the run has {sum(count for _, count in parts)} iterations, more than --iterations-per-run "
+            f"{args.iterations_per_run}: run the parts in order, each once the one before it has succeeded "
+            "(drmas submit --follow does that)"
+        )
     return 0
+
+
+def _part_path(output: Path, index: int, parts: int) -> Path:
+    """Where part ``index`` of ``parts`` is written: --output itself for a single part, else
+    ``NAME-partKK-of-NN.SUFFIX`` beside it (numbers padded, so the files sort in order)."""
+    if parts == 1:
+        return output
+    width = len(str(parts))
+    return output.with_name(f"{output.stem}-part{index:0{width}d}-of-{parts}{output.suffix}")
 
 
 def _pipeline_images(args: argparse.Namespace) -> dict[str, str]:
@@ -266,25 +339,17 @@ def _pipeline_images(args: argparse.Namespace) -> dict[str, str]:
     return resolved.images
 
 
-def _compiled(args: argparse.Namespace, func: typing.Any, path: Path, iterations: int) -> Path:
+def _compiled(args: argparse.Namespace, func: typing.Any, path: Path) -> Path:
     """The pipeline compiled to ``path`` for --kfp-backend, the changes that backend needs
     printed (ValueError: it cannot run there), and a warning when it is too large for one
-    KFP run."""
+    KFP run (with --iterations-per-run 0, or a pipeline of very many worker groups)."""
     from drmas_kfp.pipelines.build import compile_pipeline  # noqa: PLC0415
     from drmas_kfp.pipelines.platform import for_backend  # noqa: PLC0415
 
     compile_pipeline(func, path)
     for change in for_backend(path, args.kfp_backend):
         print(f"drmas {args.command}: for KFP {args.kfp_backend}: {change}", file=sys.stderr)
-    if args.iterations_per_run and iterations > args.iterations_per_run:
-        print(
-            f"drmas {args.command}: warning: the pipeline runs {iterations} iterations, more than "
-            f"--iterations-per-run {args.iterations_per_run}; KFP keeps a run's whole spec (its database, "
-            "the Argo workflow in etcd: 1.5 MiB): drmas submit runs it in parts, or compile parts with "
-            "--start-iteration K --iterations N",
-            file=sys.stderr,
-        )
-    elif path.stat().st_size > LARGE_PIPELINE:
+    if path.stat().st_size > LARGE_PIPELINE:
         print(
             f"drmas {args.command}: warning: the compiled pipeline is {path.stat().st_size >> 20} MiB; "
             "KFP keeps a run's whole spec (its database, the Argo workflow in etcd: 1.5 MiB): run it in "
@@ -294,21 +359,31 @@ def _compiled(args: argparse.Namespace, func: typing.Any, path: Path, iterations
     return path
 
 
+def _part_label(parts: list[tuple[int, int]], index: int) -> str:
+    """``iterations A..B (part K/N)`` for part ``index`` (from 1) of a run split in parts."""
+    first, count = parts[index - 1]
+    return f"iterations {first}..{first + count - 1} (part {index}/{len(parts)})"
+
+
+def _run_name(args: argparse.Namespace, run_id: str, parts: list[tuple[int, int]], index: int) -> str:
+    """The KFP run name of part ``index``: the same for the same command, which is how a
+    resubmission finds the part's earlier runs (``find_run``)."""
+    if len(parts) > 1:
+        return f"{args.run_name or run_id} {_part_label(parts, index)}"
+    return args.run_name or f"{run_id} {args.pipeline}" + (f" (force {', '.join(args.force)})" if args.force else "")
+
+
 def _submit(
     args: argparse.Namespace,
     config: DrmasConfig,
     run_id: str,
     images: dict[str, str],
     parts: list[tuple[int, int]],
-    func: typing.Any,
-    arguments: dict[str, typing.Any],
-    iterations: int,
 ) -> int:
-    """Start the pipeline (the first of ``parts``) as a KFP run, and print how to submit
-    each later part."""
-    import tempfile  # noqa: PLC0415
-
-    from drmas_kfp.pipelines.submit import submit  # noqa: PLC0415
+    """Start the pipeline's first part as a KFP run and print how to submit each later part;
+    with --follow, submit each part once the one before it has succeeded, skipping a part
+    that an earlier submission already ran to success and following one still running."""
+    from drmas_kfp.pipelines.submit import Credentials, connect  # noqa: PLC0415
 
     if not config.store.root.startswith("s3://"):
         print(
@@ -316,48 +391,138 @@ def _submit(
             "see it only if it is a volume mounted there (use s3://bucket/prefix)",
             file=sys.stderr,
         )
-    first = parts[0][0]
-    part = f"iterations {first}..{first + iterations - 1} (part 1/{len(parts)})" if len(parts) > 1 else ""
-    if part:
-        name = f"{args.run_name or run_id} {part}"
-    else:
-        name = args.run_name or f"{run_id} {args.pipeline}" + (
-            f" (force {', '.join(args.force)})" if args.force else ""
+    if not (config.tracking.uri or "").startswith(("http://", "https://")):
+        print(
+            f"drmas submit: warning: tracking.uri is {config.tracking.uri or 'unset'}: each pipeline step would "
+            "log to an MLflow file in its own pod, lost when the pod ends; give the MLflow server's address "
+            "(the manifests': tracking.uri=http://mlflow.drmas.svc.cluster.local:5000)",
+            file=sys.stderr,
         )
+    if args.poll_seconds <= 0:
+        return fail(args.command, f"--poll-seconds must be more than 0, not {args.poll_seconds:g}")
+    try:
+        client = connect(args.host, args.namespace, Credentials.from_environment(args.token_file))
+    except ImportError as error:
+        return fail(args.command, f"{error}: {KUBEFLOW_EXTRA}", 2)
+    except ValueError as error:
+        return fail(args.command, error)
+    except Exception as error:
+        return fail(args.command, f"could not start the run on {args.host}: {type(error).__name__}: {error}")
+    if not args.follow:
+        submitted = _submit_part(args, config, run_id, images, parts, 1, client)
+        if submitted is None:
+            return 1
+        if len(parts) > 1:
+            _print_next_parts(args, run_id, images, parts)
+        return 0
+    return _follow(args, config, run_id, images, parts, client)
+
+
+def _submit_part(
+    args: argparse.Namespace,
+    config: DrmasConfig,
+    run_id: str,
+    images: dict[str, str],
+    parts: list[tuple[int, int]],
+    index: int,
+    client: typing.Any,
+) -> str | None:
+    """Compile part ``index`` and create its KFP run; its run id, or None after saying why not."""
+    import tempfile  # noqa: PLC0415
+
+    from drmas_kfp.pipelines.submit import run_url, submit  # noqa: PLC0415
+
+    first, count = parts[index - 1]
+    built = _build_pipeline(args, config, run_id, images, first, count if len(parts) > 1 else None)
+    if built is None:
+        return None
+    func, arguments = built
     with tempfile.TemporaryDirectory() as scratch:
+        keep = args.output and index == 1
         try:
-            path = _compiled(
-                args, func, Path(args.output) if args.output else Path(scratch) / "pipeline.yaml", iterations
-            )
+            path = _compiled(args, func, Path(args.output) if keep else Path(scratch) / "pipeline.yaml")
         except ValueError as error:
-            return fail(args.command, error, 2)
+            fail(args.command, error)
+            return None
         try:  # service account None: drmas-pipeline, or in a Profile namespace its default-editor
-            kfp_run, url = submit(
+            kfp_run = submit(
+                client,
                 path,
-                args.host,
                 arguments,
                 args.experiment or config.experiment.name,
-                name,
+                _run_name(args, run_id, parts, index),
                 args.namespace,
                 args.service_account,
             )
         except Exception as error:
-            return fail("submit", f"could not start the run on {args.host}: {type(error).__name__}: {error}")
-    what = f"{args.pipeline} pipeline {func.name}"
-    if not part:
-        print(f"submitted the {what} as KFP run {kfp_run} (drmas run {run_id}): {url}")
-        return 0
-    print(f"submitted {part} of the {what} as KFP run {kfp_run} (drmas run {run_id}): {url}")
+            fail(args.command, f"could not start the run on {args.host}: {type(error).__name__}: {error}")
+            return None
+    what = f"{_part_label(parts, index)} of the " if len(parts) > 1 else "the "
+    print(
+        f"submitted {what}{args.pipeline} pipeline {func.name} as KFP run {kfp_run} (drmas run {run_id}): "
+        f"{run_url(args.host, kfp_run)}",
+        flush=True,
+    )
+    return kfp_run
+
+
+def _print_next_parts(
+    args: argparse.Namespace, run_id: str, images: dict[str, str], parts: list[tuple[int, int]]
+) -> None:
+    """The exact command of each part after the first, to run once the one before it succeeded."""
     print(
         f"the run has {sum(count for _, count in parts)} iterations, more than --iterations-per-run "
         f"{args.iterations_per_run}: KFP keeps a run's whole spec, and cannot start a run when another ends. "
         "Each next part starts from the checkpoint of the part before it: submit it once the KFP run before "
-        "it has succeeded:"
+        "it has succeeded (or submit with --follow, which does that):"
     )
     for index, (start, size) in enumerate(parts[1:], start=2):
-        label = f"iterations {start}..{start + size - 1} (part {index}/{len(parts)})"
-        print(f"  # {label}")
-        print(f"  {_next_part_command(args, run_id, images, start, size, label)}")
+        print(f"  # {_part_label(parts, index)}")
+        print(f"  {_submit_command(args, run_id, images, start, size, _run_name(args, run_id, parts, index))}")
+
+
+def _follow(
+    args: argparse.Namespace,
+    config: DrmasConfig,
+    run_id: str,
+    images: dict[str, str],
+    parts: list[tuple[int, int]],
+    client: typing.Any,
+) -> int:
+    """``drmas submit --follow``: each part in turn, submitted unless an earlier run of it
+    (found by its run name) succeeded or is still going, then followed until it ends. A
+    part that fails, an API server that stops answering and an interrupt all end with the
+    command that continues: this one again, which skips the parts that succeeded."""
+    from drmas_kfp.pipelines.submit import SUCCEEDED, find_run, run_url, wait_for_run  # noqa: PLC0415
+
+    experiment = args.experiment or config.experiment.name
+    again = _submit_command(args, run_id, images, args.start_iteration, args.iterations, args.run_name, follow=True)
+
+    def stop(message: str, status: int = 1) -> int:
+        fail(args.command, message)
+        print(f"to continue (the parts that succeeded are not submitted again):\n  {again}", file=sys.stderr)
+        return status
+
+    for index in range(1, len(parts) + 1):
+        name = _run_name(args, run_id, parts, index)
+        try:
+            earlier = find_run(client, experiment, name, args.namespace)
+            if earlier is not None and earlier.state == SUCCEEDED:
+                print(f"{name}: KFP run {earlier.run_id} succeeded before: not submitted again", flush=True)
+                continue
+            if earlier is not None:
+                print(f"{name}: following KFP run {earlier.run_id}, submitted before ({earlier.state.lower()})")
+                kfp_run = earlier.run_id
+            elif (kfp_run := _submit_part(args, config, run_id, images, parts, index, client)) is None:
+                return stop(f"{name} was not submitted")
+            ended = wait_for_run(client, kfp_run, args.poll_seconds, lambda line: print(line, flush=True))
+        except KeyboardInterrupt:
+            return stop("interrupted; the KFP runs go on without this command", 130)
+        except Exception as error:
+            return stop(f"the KFP API server {args.host} failed: {type(error).__name__}: {error}")
+        if ended.state != SUCCEEDED:
+            return stop(f"{name}: KFP run {kfp_run} {ended.state.lower()}: {run_url(args.host, kfp_run)}")
+    print(f"every part of drmas run {run_id} succeeded", flush=True)
     return 0
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "EvalConfig",
     "ExperimentConfig",
     "FinalEvalConfig",
+    "KubeflowConfig",
     "Location",
     "LoraSpec",
     "ModelSpec",
@@ -600,6 +601,53 @@ class TrackingConfig(Section):
         return value
 
 
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_LABEL_KEY = rf"^({_DNS_LABEL}(\.{_DNS_LABEL})*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{{0,61}}[A-Za-z0-9])?$"
+"""A Kubernetes label key: an optional DNS-subdomain prefix and ``/``, then a name of at
+most 63 characters."""
+_LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
+"""A Kubernetes label value: at most 63 characters, alphanumeric at both ends."""
+_OBJECT_NAME = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
+"""A Kubernetes object name (a DNS subdomain), such as a Secret's."""
+
+
+class KubeflowConfig(Section):
+    """Where the Kubeflow pipeline's steps run: read by ``drmas compile|submit`` only (no
+    stage reads it, so it changes no cache key)."""
+
+    gpu_node_selector: dict[str, str] = {}
+    """Node labels a step that asks Kubernetes for GPUs also requires, to pick a GPU model
+    or node pool, e.g. ``{cloud.google.com/gke-accelerator: nvidia-h100-80gb}``. Unset: any
+    linux/amd64 node that offers the ``nvidia.com/gpu`` resource (the NVIDIA device plugin's),
+    whose ``nvidia.com/gpu`` taint such steps tolerate; no GPU Operator label is needed."""
+    image_pull_secrets: list[str] = []
+    """Secrets (type kubernetes.io/dockerconfigjson, in the pipeline's namespace) every
+    step's pod pulls the drmas images with: a private registry. The RayCluster's pods
+    name theirs in its manifest."""
+
+    @field_validator("gpu_node_selector")
+    @classmethod
+    def _labels_kubernetes_accepts(cls, value: dict[str, str]) -> dict[str, str]:
+        """Kubernetes would refuse the pod only once the run reaches the step."""
+        problems = [f"{key!r} is not a label key" for key in value if not re.match(_LABEL_KEY, key)]
+        problems += [
+            f"{key}: {label!r} is not a label value"
+            for key, label in value.items()
+            if not re.match(_LABEL_VALUE, label)
+        ]
+        if problems:
+            raise ValueError("; ".join(problems) + " (Kubernetes label syntax: at most 63 characters, [A-Za-z0-9-_.])")
+        return value
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _secret_names(cls, value: list[str]) -> list[str]:
+        bad = [name for name in value if not re.match(_OBJECT_NAME, name)]
+        if bad:
+            raise ValueError(f"{', '.join(map(repr, bad))}: not a Secret name (lower-case letters, digits, '-', '.')")
+        return value
+
+
 class RayConfig(Section):
     address: str | None = None
     """Ray cluster to join (e.g. ray://head-svc:10001 for KubeRay); unset starts a local Ray."""
@@ -625,6 +673,12 @@ class RayConfig(Section):
     """Memory of one pool accelerator, in GB (10^9 bytes). Set, ``drmas run``, ``compile``
     and ``submit`` refuse a config whose memory plan (``drmas plan``) does not fit it; unset
     (CPU runs): no check. An "80 GB" H100 holds 80 GiB = 85.9 GB: 80 leaves the driver's share."""
+    host_memory_gb: float | None = Field(None, gt=0)
+    """Host memory one pool slot may use, in GB (10^9 bytes): a one-GPU pod's memory limit,
+    or a node's memory divided by its GPUs, less what else runs there. Set, the memory plan
+    refuses a config whose host peak in any phase (offloaded training state, engines' weight
+    backups, a cold update's model load, an optimizer save or restore, /dev/shm) exceeds
+    it; unset: no check."""
 
 
 class DrmasConfig(Section):
@@ -662,6 +716,8 @@ class DrmasConfig(Section):
     """MLflow."""
     ray: RayConfig = Field(default_factory=RayConfig)
     """The Ray cluster and the shared device pool."""
+    kubeflow: KubeflowConfig = Field(default_factory=KubeflowConfig)
+    """Where the Kubeflow pipeline's steps run (nodes, image pull secrets)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> DrmasConfig:

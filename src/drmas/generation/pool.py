@@ -233,7 +233,9 @@ class RayPool:
         self.formed: set[str] = set()
         self.groups = {group.name: group for group in config.worker_groups()}
         self.slots = {wg: config.slots_of(wg) for wg in self.groups}
-        self.threads = threads or cpu_threads()
+        self.threads = threads or (None if config.ray.address else cpu_threads())
+        """Torch threads of the workers on one slot; None on a cluster, where each worker
+        reads its own pod's CPU limit (the driver's pod says nothing about theirs)."""
         self.lease = HeldLease(self.prefix) if run else None
         try:
             self.placement = self._placement()
@@ -294,7 +296,7 @@ class RayPool:
             chat_template_kwargs=group.chat_template_kwargs,
             system_prompt=group.system_prompt,
             cache_dir=self.cache_dir,
-            threads=max(1, self.threads // len(self.slots[wg])),
+            threads=max(1, self.threads // len(self.slots[wg])) if self.threads else None,
             relay=True,
         )
         self.started += 1

@@ -35,6 +35,7 @@ from drmas.config import PolicyError, SamplingConfig, TemplateVariables
 from drmas.generation.engines import make_engine, request_seeds
 from drmas.generation.lora import ADAPTER_CONFIG, lora_base, merge_lora, read_adapter
 from drmas.generation.named_pool import free_pool
+from drmas.infra.cpus import cpu_threads
 from drmas.infra.layout import PolicyRef
 from drmas.infra.progress import relay_progress, relayed
 from drmas.infra.store import Artifact, Store, StoreLocation
@@ -95,10 +96,13 @@ class WorkerGroupRuntime:
         progress of its work is kept for ``progress()`` (the pool shows it on its console)."""
         if relay:
             relay_progress()
-        if threads:
+        if threads or relay:
             import torch  # noqa: PLC0415 - only where a runtime is made: the rollout driver never needs it
 
-            torch.set_num_threads(threads)
+            # A pool actor told no count reads its own container's CPU limit (on a cluster
+            # its pod's, which the driver's pod cannot know), not the OMP_NUM_THREADS=1 that
+            # Ray sets in an actor that asks for no CPU.
+            torch.set_num_threads(threads or cpu_threads(environment=False))
         self.name = name
         self.store_location = store
         self.engine = make_engine(engine, dtype)

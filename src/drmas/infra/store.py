@@ -115,10 +115,14 @@ class NothingListening(OSError):
 class StoreLocation(Protocol):
     """What opens a store: a run config's ``store`` section or a :class:`StoreSettings`."""
 
-    root: str
-    endpoint: str | None
-    region: str
-    lease_timeout_s: float
+    @property
+    def root(self) -> str: ...
+    @property
+    def endpoint(self) -> str | None: ...
+    @property
+    def region(self) -> str: ...
+    @property
+    def lease_timeout_s(self) -> float: ...
 
 
 @dataclass(frozen=True)
