@@ -102,6 +102,26 @@ variable has to point there (kfp.local would apply one to the local process too)
 
 
 @dataclass(frozen=True)
+class Retry:
+    """KFP's retry policy of a step (``PipelineTask.set_retry``; the Argo backend honours
+    it from KFP 2.5, kubeflow/pipelines#11673): a failed attempt runs again after a back-off
+    that grows by ``factor``, within ``max_duration`` (KFP's own cap is an hour)."""
+
+    count: int
+    first_backoff: str
+    factor: float
+    max_duration: str
+
+
+POOL_RETRY = Retry(count=3, first_backoff="90s", factor=2.0, max_duration="3600s")
+"""The pool's steps, which wait for GPUs (``PoolNotReady`` past ``ray.placement_timeout_s``)
+and lose pods with nodes: three more attempts, after 1.5, 3 and 6 minutes. The first
+back-off outlasts a killed attempt's leases (run and pool: 60 s after its last heartbeat),
+so the retry is not refused as a second writer; a retried stage recomputes from the store,
+its output written manifest last, so it gives what a first attempt would."""
+
+
+@dataclass(frozen=True)
 class Placement:
     """A pod's resources and the nodes it may run on."""
 
@@ -121,6 +141,8 @@ class Placement:
     """Size limit of an ``emptyDir`` scratch volume at ``SCRATCH`` (``/tmp``), or none."""
     image_pull_secrets: tuple[str, ...] = ()
     """Secrets the pod pulls its image with (``kubeflow.image_pull_secrets``)."""
+    retry: Retry | None = None
+    """Attempts after a failure (``POOL_RETRY`` for the pool's steps), or none."""
 
 
 CPU_NODES = Placement(
@@ -173,9 +195,9 @@ def placement_for(stage: str, config) -> Placement:
     if stage in POOL_STAGES:
         scratch = update_scratch_size(config) if stage == "update" else None
         if config.ray.address:
-            placement = replace(CPU_NODES, ray_token=True, scratch=scratch)
+            placement = replace(CPU_NODES, ray_token=True, scratch=scratch, retry=POOL_RETRY)
         else:
-            placement = replace(gpu_nodes, accelerator_count=config.ray.pool_size, scratch=scratch)
+            placement = replace(gpu_nodes, accelerator_count=config.ray.pool_size, scratch=scratch, retry=POOL_RETRY)
     elif stage == "warmstart":
         placement = gpu_nodes if config.warmstart.steps else replace(CPU_NODES, **warmstart_memory(config))
     elif stage in TRACKING_STAGES:
@@ -293,7 +315,7 @@ def cheap_setter_checks() -> Iterator[None]:
 
 
 def place(task: PipelineTask, placement: Placement, secret: str = S3_SECRET) -> PipelineTask:
-    """Requests, limits, accelerator, node selector, tolerations, image pull secrets, the S3 secret as env, the
+    """Requests, limits, accelerator, node selector, tolerations, image pull secrets, retries, the S3 secret as env, the
     Ray token where the step joins the cluster, MLflow's credentials where it logs, the
     scratch volume where it has one, and the pod label the NetworkPolicies admit."""
     kubernetes.add_pod_label(task, label_key=POD_LABEL[0], label_value=POD_LABEL[1])
@@ -307,6 +329,9 @@ def place(task: PipelineTask, placement: Placement, secret: str = S3_SECRET) -> 
         kubernetes.add_toleration(task, **toleration)
     if placement.image_pull_secrets:
         kubernetes.set_image_pull_secrets(task, list(placement.image_pull_secrets))
+    if placement.retry is not None:
+        retry = placement.retry
+        task.set_retry(retry.count, retry.first_backoff, retry.factor, retry.max_duration)
     kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env={key: key for key in S3_SECRET_KEYS})
     kubernetes.use_secret_as_env(
         task, secret_name=secret, secret_key_to_env={key: key for key in S3_OPTIONAL_KEYS}, optional=True

@@ -151,3 +151,21 @@ def test_bad_kubeflow_settings_are_refused_naming_the_field(override, field, mes
     with pytest.raises(ConfigError) as refused:
         load_config(GPU_RECIPE, [*SHORT, override])
     assert field in str(refused.value) and message in str(refused.value)
+
+
+def test_the_pools_steps_are_retried_with_a_back_off_and_no_other_step_is(tmp_path):
+    """Patience for GPUs (issue 29 §2): a rollout, update or evaluation that failed (the
+    pool's slots not granted within ray.placement_timeout_s, a node lost) runs again after
+    90 s, 3 and 6 minutes, in the compiled spec KFP's backend reads; the other steps fail
+    at once (their failures are bad input or a store fault, which a retry would not fix)."""
+    config = load_config(GPU_RECIPE, SHORT)
+    func, _ = build_pipeline("train", config, "run-1")
+    spec, _ = yaml.safe_load_all(compile_pipeline(func, tmp_path / "train.yaml").read_text())
+    retried = {}
+    for task in spec["root"]["dag"]["tasks"].values():
+        stage = re.sub(r"-\d+$", "", task["componentRef"]["name"].removeprefix("comp-")).replace("-", "_")
+        retried.setdefault(stage, set()).add(yaml.safe_dump(task.get("retryPolicy"), sort_keys=True))
+    policy = {"maxRetryCount": 3, "backoffDuration": "90s", "backoffFactor": 2.0, "backoffMaxDuration": "3600s"}
+    for stage, policies in retried.items():
+        expected = policy if stage in ("rollout", "update", "evaluate") else None
+        assert policies == {yaml.safe_dump(expected, sort_keys=True)}, stage
