@@ -106,6 +106,7 @@ MATH_REFERENCE = SHARED_REFERENCE + [
     ("no trainer.total_training_steps: the epochs decide", "experiment.iterations", None),
     ("reward_model.ground_truth (drmas_math.py's gold answer)", "data.answer_field", "reward_model.ground_truth"),
     ("eval mode: test.parquet", "eval.final.data", "s3://drmas/data/drmas_math/test.parquet"),
+    ("RewardMathFn: grade_answer_mathd or grade_answer_sympy", "task.grader", "reference"),
 ]
 
 SEARCH_REFERENCE = SHARED_REFERENCE + [

@@ -174,6 +174,11 @@ class TaskConfig(Section):
     answers; 'reference', the authors' rules: the first tag, a verdict by which tagged word
     occurs, the last \\boxed{} only, validity by the tags being there and no CJK ideograph.
     They decide which calls pay the format penalty (docs/deviations.md)."""
+    grader: Literal["drmas", "reference"] = "drmas"
+    """math: how a final answer is graded. 'drmas': an exact path, then math-verify, with a
+    person's rules (final form only, no decimal approximations; drmas.tasks.grading).
+    'reference': the authors' rules, Hendrycks normalisation or sympy equality, an integer
+    or unreduced gold answer matched exactly (drmas.tasks.reference_grading)."""
 
     @field_validator("retrieval_url")
     @classmethod

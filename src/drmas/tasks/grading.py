@@ -48,6 +48,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -55,9 +56,11 @@ from typing import Any
 __all__ = [
     "FALLBACK_TIMEOUT_S",
     "answers_match",
+    "bounded",
     "clean_answer",
     "grade_answer",
     "normalize_answer",
+    "refused",
 ]
 
 FALLBACK_TIMEOUT_S = 1.0
@@ -452,7 +455,7 @@ def _powers_too_big(text: str) -> bool:
     return product * longest_digits > _MAX_POWER_DIGITS
 
 
-def _refused(text: str) -> bool:
+def refused(text: str) -> bool:
     """Whether math-verify must not see ``text``: too long, not printable ASCII, nested too
     deeply, a big operator, or a power, factorial or binomial that could stall the interpreter."""
     if len(text) > _MAX_FALLBACK_CHARS or not (text.isascii() and text.isprintable()):
@@ -475,9 +478,17 @@ def _refused(text: str) -> bool:
 def _math_verify_equal(predicted: str, gold: str, timeout_s: float) -> bool:
     """math-verify's verdict on two cleaned answers; False when a guard refuses either one,
     when either does not parse, or past the deadline."""
-    if _refused(predicted) or _refused(gold):
+    if refused(predicted) or refused(gold):
         return False
-    return _worker().compare(predicted, gold, timeout_s)
+    return bounded(_verify, predicted, gold, timeout_s)
+
+
+def bounded(check: Callable[[str, str], bool], predicted: str, gold: str, timeout_s: float) -> bool:
+    """``check(predicted, gold)`` on the process's grader thread, waited for at most
+    ``timeout_s`` seconds (then False, and the computation is stopped); False when it
+    raises. For any sympy-based comparison of model text (``drmas.tasks.reference_grading``
+    too); pass its inputs through ``refused`` first."""
+    return _worker().compare(predicted, gold, timeout_s, check)
 
 
 class _Deadline(BaseException):
@@ -489,6 +500,7 @@ class _Deadline(BaseException):
 class _Job:
     predicted: str
     gold: str
+    check: Callable[[str, str], bool]
     done: threading.Event = field(default_factory=threading.Event)
     abandoned: bool = False
     result: bool = False
@@ -524,8 +536,8 @@ class _Worker:
         self._thread.start()
         threading.Thread(target=self._watch, name="drmas-grader-watchdog", daemon=True).start()
 
-    def compare(self, predicted: str, gold: str, timeout_s: float) -> bool:
-        job = _Job(predicted, gold)
+    def compare(self, predicted: str, gold: str, timeout_s: float, check: Callable[[str, str], bool]) -> bool:
+        job = _Job(predicted, gold, check)
         self._jobs.put(job)
         if job.done.wait(timeout_s):
             return job.result
@@ -565,7 +577,7 @@ class _Worker:
                 return
             self._running = job
         try:
-            job.result = _verify(job.predicted, job.gold)
+            job.result = job.check(job.predicted, job.gold)
         except (_Deadline, Exception):  # past its deadline, or math-verify failed on this input
             job.result = False
         finally:

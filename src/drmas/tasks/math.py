@@ -24,6 +24,7 @@ from drmas.config import TaskConfig
 from drmas.tasks import DataError, Demonstrations, Question, Split, Tools
 from drmas.tasks.files import read_questions
 from drmas.tasks.grading import answers_match, grade_answer, normalize_answer, start_in_background
+from drmas.tasks.reference_grading import grade_answer_reference
 from drmas.team.agents import (
     MathVerifierAgent,
     ParsingRules,
@@ -56,19 +57,26 @@ __all__ = [
 # The reward (the grader itself is drmas.tasks.grading)
 # --------------------------------------------------------------------------------------
 
+Grader = Literal["drmas", "reference"]
+"""How a final answer is graded (``task.grader``)."""
 
-def math_reward(final_text: str | None, question: Question, parsing: ParsingRules = "drmas") -> float:
+
+def math_reward(
+    final_text: str | None, question: Question, parsing: ParsingRules = "drmas", grader: Grader = "drmas"
+) -> float:
     """1.0 when the final answer of ``final_text`` (``math_answer``: by drmas's rules the last
     box or a last line ``Answer: ...``, by the reference's the last box only) is right for a
-    gold answer (``grade_answer``), else 0.0.
+    gold answer (``task.grader``: ``grade_answer``, or the reference's rules,
+    ``grade_answer_reference``), else 0.0.
 
     A gold answer that is itself boxed is unboxed first, as in the reference.
     """
     predicted = math_answer(final_text, parsing) if final_text else None
     if predicted is None:
         return 0.0
+    grade = grade_answer_reference if grader == "reference" else grade_answer
     golds = (_unboxed(answer) for answer in question.answers)
-    return 1.0 if any(grade_answer(predicted, gold) for gold in golds) else 0.0
+    return 1.0 if any(grade(predicted, gold) for gold in golds) else 0.0
 
 
 def _unboxed(answer: str) -> str:
@@ -358,7 +366,7 @@ class MathOrchestra:
     def __init__(self, task: TaskConfig, tools: Tools) -> None:
         self.max_loops = task.max_loops
         self.malformed_passes = task.malformed_verdict_passes
-        self.parsing = task.parsing
+        self.parsing, self.grader = task.parsing, task.grader
         self.agent_objects = {
             name: cls(prompts=task.prompts, parsing=task.parsing) for name, cls in self.agents.items()
         }
@@ -386,7 +394,7 @@ class MathOrchestra:
             episode.done = True
 
     def reward(self, episode: Episode) -> float:
-        return math_reward(episode.final_answer, episode.question, self.parsing)
+        return math_reward(episode.final_answer, episode.question, self.parsing, self.grader)
 
 
 class SoloOrchestra:
@@ -400,7 +408,7 @@ class SoloOrchestra:
     agents = {"solver": SolverAgent}
 
     def __init__(self, task: TaskConfig, tools: Tools) -> None:
-        self.parsing = task.parsing
+        self.parsing, self.grader = task.parsing, task.grader
         self.agent_objects = {"solver": SolverAgent(prompts=task.prompts, parsing=task.parsing)}
         start_in_background()
 
@@ -409,4 +417,4 @@ class SoloOrchestra:
             episode.final_answer, episode.done = solution.text, True
 
     def reward(self, episode: Episode) -> float:
-        return math_reward(episode.final_answer, episode.question, self.parsing)
+        return math_reward(episode.final_answer, episode.question, self.parsing, self.grader)
