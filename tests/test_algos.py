@@ -301,6 +301,23 @@ def test_constant_prompt_groups_have_no_multiplier():
     # All calls penalised (-0.1 with rounding noise) is no spread either.
     flat = _lemma(np.zeros(4) - 0.1 * np.ones(4), ["p"] * 4, ["t1", "t1", "t2", "t2"], ["a", "b", "a", "b"])
     assert flat["b"].flat_groups == 1 and math.isnan(flat["b"].multiplier)
+    # The reference keeps flat groups (sigma^2 + 1e-12 below): here every one gives 0.
+    assert stats["a"].reference["inflation_factor_mean"] == stats["b"].reference["var_ratio_max"] == 0.0
+
+
+def test_the_references_summaries_keep_flat_groups():
+    """As the reference logs them (``adv_diag/<agent>/...``): a flat prompt where agent b
+    made one call (mean 0, std 1 by convention, against trajectory means of 1) gives
+    (1 + 1) / 1e-12; one where every call of b scored alike gives 0. drmas's own summaries
+    leave both out (NaN), the reference's mean is 1e12."""
+    uid = ["single"] * 3 + ["alike"] * 4
+    traj = ["s1", "s1", "s2", "a1", "a1", "a2", "a2"]
+    agent = ["a", "b", "a", "a", "b", "a", "b"]
+    stats = _lemma(np.ones(7), uid, traj, agent)["b"]
+    assert stats.flat_groups == stats.groups == 2 and math.isnan(stats.multiplier)
+    assert stats.reference["inflation_factor_max"] == pytest.approx(2e12)
+    assert stats.reference["inflation_factor_mean"] == pytest.approx(1e12)
+    assert stats.reference["mean_gap_abs_max"] == pytest.approx(1.0)
 
 
 @settings(max_examples=200, deadline=None)

@@ -190,8 +190,17 @@ class AgentRewardStats:
     Dr. MAS advantage uses them. The definitions are the reference code's
     (``summarize_group_diagnostics``, logged there as ``adv_diag/<agent>/...``) with one
     difference: a group whose GRPO sigma is 0 (every trajectory of the prompt scored the
-    same: both baselines give advantage 0) has no multiplier. It is counted in
+    same) has no multiplier, since a ratio to no spread measures nothing. It is counted in
     ``flat_groups`` and left out of the summaries, which are NaN when no group is left.
+
+    The reference keeps such groups, with ``sigma^2 + 1e-12`` in the denominators: most
+    give 0 (every call of the agent scored alike, so sigma_k = 0 and no gap), and about
+    10^12 where the agent made one call in the group (sigma_k = 1 by convention) or format
+    penalties open a gap between the agent's calls and the trajectory means. A flat group is
+    not one both baselines leave at 0: with penalties Dr. MAS still gives the agent's calls
+    advantages (two trajectories scoring 1, one with an invalid Solver call and one with an
+    invalid Verifier call, give each agent +-0.71). ``reference`` holds the summaries as the
+    reference computes them, over every group, to read a run against the authors' plots.
     """
 
     agent: str
@@ -207,11 +216,29 @@ class AgentRewardStats:
     var_ratio_mean: float
     var_ratio_min: float
     var_ratio_max: float
+    reference: dict[str, float]
+    """The reference's summaries, flat groups included (``REFERENCE_SUMMARY_NAMES``)."""
 
     @property
     def multiplier(self) -> float:
         """The Lemma 4.2 multiplier of a typical group: the mean over groups with spread."""
         return self.inflation_mean
+
+
+REFERENCE_VARIANCE_FLOOR = 1e-12
+"""What the reference adds to sigma^2 in the Lemma 4.2 denominators."""
+REFERENCE_SUMMARY_NAMES = {
+    "inflation_mean": "inflation_factor_mean",
+    "inflation_p95": "inflation_factor_p95",
+    "inflation_max": "inflation_factor_max",
+    "mean_gap_mean": "mean_gap_mean",
+    "mean_gap_abs_mean": "mean_gap_abs_mean",
+    "mean_gap_abs_max": "mean_gap_abs_max",
+    "var_ratio_mean": "var_ratio_mean",
+    "var_ratio_min": "var_ratio_min",
+    "var_ratio_max": "var_ratio_max",
+}
+"""drmas's summary names -> the reference's (``adv_diag/<agent>/<name>``)."""
 
 
 def agent_reward_stats(score: np.ndarray, agent: Any, *, uid: Any, traj_uid: Any) -> dict[str, AgentRewardStats]:
@@ -238,6 +265,9 @@ def agent_reward_stats(score: np.ndarray, agent: Any, *, uid: Any, traj_uid: Any
         gap = mu_k - mu[group_uid]  # [S]
         var_ratio = sigma_k**2 / var  # [S]
         inflation = var_ratio + gap**2 / var  # [S]
+    padded = var + REFERENCE_VARIANCE_FLOOR  # [S]: the reference's denominators
+    reference_ratio = sigma_k**2 / padded  # [S]
+    reference_inflation = reference_ratio + gap**2 / padded  # [S]
     names = code_names(agent, agent_code, n_agent)
     rows = np.bincount(agent_code, minlength=n_agent)  # [K]
     stats = {}
@@ -252,6 +282,10 @@ def agent_reward_stats(score: np.ndarray, agent: Any, *, uid: Any, traj_uid: Any
             groups=int(mine.sum()),
             flat_groups=int((mine & ~spread).sum()),
             **_summaries(gap[kept], var_ratio[kept], inflation[kept]),
+            reference={
+                REFERENCE_SUMMARY_NAMES[key]: value
+                for key, value in _summaries(gap[mine], reference_ratio[mine], reference_inflation[mine]).items()
+            },
         )
     return stats
 

@@ -92,6 +92,7 @@ def batch_metrics(
             f"agent/{name}/lemma_groups": float(stats.groups),
             f"agent/{name}/lemma_flat_groups": float(stats.flat_groups),
         }
+        metrics |= {f"agent/{name}/adv_diag/{key}": value for key, value in stats.reference.items()}
     return metrics
 
 
