@@ -23,6 +23,7 @@ from helpers import ROOT, TINY_OVERRIDES
 from drmas.config import DrmasConfig, Section, load_config
 from drmas.generation import pool as pool_module
 from drmas.generation.pool import RayPool
+from drmas.infra import progress as progress_module
 from drmas.infra.code import PACKAGE_ROOT, module_fingerprint
 from drmas.infra.layout import PolicyRef, iteration_path, stage_path
 from drmas.infra.store import Store
@@ -236,6 +237,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyIteration:
     with pytest.MonkeyPatch.context() as patch:
         for name, value in _in_process_ray().items():
             patch.setattr(pool_module, name, value)
+        # The in-process workers are made as a pool's actors are (relay=True), which puts
+        # this process's progress into relay mode: undone with the patches, so that the
+        # next test file in this process shows its progress again.
+        patch.setattr(progress_module, "_relay", progress_module._relay)
         for module in (contracts_module, policies_module, warmstart_module):  # the stages that key themselves
             patch.setattr(module, "cache_key", unrecorded(cache_key))
         try:
