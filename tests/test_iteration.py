@@ -131,17 +131,23 @@ class StandInStages:
         patch.setattr(runner, "checkpoint", checkpoint)
 
 
+def stand_in_policies(config: DrmasConfig, store: Store) -> dict[str, PolicyRef]:
+    """Each worker group's starting policy, a stored artifact the stand-in stages only name."""
+    starting = {}
+    for group in config.worker_groups():
+        path = f"{config.experiment.name}/{RUN}/init/policy/{group.name}"
+        with store.writer(path) as out:
+            out.write_bytes("weights.txt", group.name.encode())
+        starting[group.name] = PolicyRef(path)
+    return starting
+
+
 def test_the_runner_runs_the_definition_and_reuses_what_it_may(config, monkeypatch):
     """``run_iteration`` calls the steps in the definition's order; a second call reuses
     them all; ``force`` names a stage (every worker group's update) or one step."""
     store = Store.from_config(config.store)
     groups = [group.name for group in config.worker_groups()]
-    starting = {}
-    for wg in groups:
-        path = f"{config.experiment.name}/{RUN}/init/policy/{wg}"
-        with store.writer(path) as out:
-            out.write_bytes("weights.txt", wg.encode())
-        starting[wg] = PolicyRef(path)
+    starting = stand_in_policies(config, store)
     stages = StandInStages(config, store)
     stages.install(monkeypatch)
     due = next(i for i in range(4) if config.evaluates(i))
@@ -179,12 +185,7 @@ def test_the_last_iteration_ends_with_the_final_evaluation_of_its_own_settings(t
 
     store = Store.from_config(config.store)
     groups = [group.name for group in config.worker_groups()]
-    starting = {}
-    for wg in groups:
-        path = f"{config.experiment.name}/{RUN}/init/policy/{wg}"
-        with store.writer(path) as out:
-            out.write_bytes("weights.txt", wg.encode())
-        starting[wg] = PolicyRef(path)
+    starting = stand_in_policies(config, store)
     StandInStages(config, store).install(monkeypatch)
     result = None
     for i in range(2):

@@ -57,6 +57,7 @@ __all__ = [
     "FALLBACK_TIMEOUT_S",
     "answers_match",
     "bounded",
+    "braced_arguments",
     "clean_answer",
     "grade_answer",
     "normalize_answer",
@@ -206,6 +207,15 @@ def _unwrap_text_commands(text: str) -> str:
     return "".join(out)
 
 
+def braced_arguments(text: str) -> str:
+    """``\\frac12``, ``\\frac1{2}``, ``\\frac{1}2`` as ``\\frac{1}{2}`` and ``\\sqrt2`` as
+    ``\\sqrt{2}``: one-token arguments get their braces (the MATH grader's rule too)."""
+    text = _FRAC_TWO_TOKENS.sub(r"\\frac{\1}{\2}", text)
+    text = _FRAC_BARE_NUMERATOR.sub(r"\\frac{\1}{", text)
+    text = _FRAC_BARE_DENOMINATOR.sub(r"\1{\2}", text)
+    return _SQRT_BARE.sub(r"\\sqrt{\1}", text)
+
+
 def normalize_answer(text: str) -> str:
     """The text two answers are compared by on the exact path.
 
@@ -225,10 +235,7 @@ def normalize_answer(text: str) -> str:
     assignment = _ASSIGNMENT.fullmatch(s)
     if assignment:
         s = assignment.group(1)
-    s = _FRAC_TWO_TOKENS.sub(r"\\frac{\1}{\2}", s)
-    s = _FRAC_BARE_NUMERATOR.sub(r"\\frac{\1}{", s)
-    s = _FRAC_BARE_DENOMINATOR.sub(r"\1{\2}", s)
-    s = _SQRT_BARE.sub(r"\\sqrt{\1}", s)
+    s = braced_arguments(s)
     if _THOUSANDS.fullmatch(s):
         s = s.replace(",", "")
     return s

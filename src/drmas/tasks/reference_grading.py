@@ -34,7 +34,7 @@ import functools
 import re
 from math import gcd
 
-from drmas.tasks.grading import FALLBACK_TIMEOUT_S, bounded, refused
+from drmas.tasks.grading import FALLBACK_TIMEOUT_S, bounded, braced_arguments, refused
 
 __all__ = ["grade_answer_reference", "mathd_normalize", "sympy_normalize"]
 
@@ -66,32 +66,11 @@ def mathd_normalize(text: str) -> str:
     sides = s.split("=")
     if len(sides) == 2 and len(sides[0].strip()) <= 2:
         s = sides[1]
-    s = _braced_roots(s).replace(" ", "")
-    s = _braced_fractions(s)
+    s = braced_arguments(s.replace(" ", ""))
     if s == "0.5":
         s = "\\frac{1}{2}"
     fraction = _SLASH_FRACTION.match(s)
     return f"\\frac{{{fraction.group(1)}}}{{{fraction.group(2)}}}" if fraction else s
-
-
-def _braced_roots(text: str) -> str:
-    """``\\sqrt3`` -> ``\\sqrt{3}``: a root's one-character argument gets its braces."""
-    return re.sub(r"\\sqrt(?!\{)(\S)", r"\\sqrt{\1}", text)
-
-
-def _braced_fractions(text: str) -> str:
-    """``\\frac12`` -> ``\\frac{1}{2}``, ``\\frac1{72}`` -> ``\\frac{1}{72}``: a fraction's
-    one-character numerator (and denominator) get their braces."""
-    head, *pieces = text.split("\\frac")
-    out = [head]
-    for piece in pieces:
-        if piece.startswith("{") or len(piece) < 2:
-            out.append(piece)
-        elif piece[1] == "{":
-            out.append(f"{{{piece[0]}}}{piece[1:]}")
-        else:
-            out.append(f"{{{piece[0]}}}{{{piece[1]}}}{piece[2:]}")
-    return "\\frac".join(out)
 
 
 # --------------------------------------------------------------------------------------
@@ -128,7 +107,7 @@ def sympy_normalize(text: str) -> str:
     s = _UNIT_WORDS.sub("", s)
     s = _THOUSANDS.sub(r"\1\2", s)
     s = _FORMATTING.sub(r"\1", s).replace("\\displaystyle", "").replace("\\!", "").replace(" ", "").lower()
-    s = _braced_fractions(_braced_roots(s))
+    s = braced_arguments(s)
     s = s.replace("infinity", "\\infty").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     whole_float = _WHOLE_FLOAT.match(s)
     s = whole_float.group(1) if whole_float else s
