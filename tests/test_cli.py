@@ -274,7 +274,7 @@ def test_rerun_of_one_worker_groups_update_recomputes_its_policy(tmp_path, monke
 def test_a_bf16_model_on_a_cpu_without_native_bf16_is_warned_about(native, overrides, warned, monkeypatch, capsys):
     """Emulated bf16 took 12.6x float32's time on an AVX2-only CPU: the run says so and how
     to switch, before it starts."""
-    monkeypatch.setattr("drmas.infra.cpus.native_bf16", lambda: native)
+    monkeypatch.setattr("drmas.config.hardware.native_bf16", lambda: native)
     cli_common.warn_if_bf16_is_slow_here(load_config(MATH, overrides))
     expected = "drmas run: warning: this CPU has no native bf16 (AVX-512 or AMX): the bfloat16 model(s) tiny "
     assert (expected in capsys.readouterr().err) == warned

@@ -29,7 +29,7 @@ from helpers import drmas
 from safetensors.torch import load_file
 
 from drmas.cli import main
-from drmas.infra.cpus import native_bf16
+from drmas.config.hardware import native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 900

@@ -10,11 +10,19 @@ import pytest
 
 from drmas.config import load_config
 from drmas.tasks import Question
-from drmas.tasks.math import answers_match, column_working, generate_arithmetic, math_demonstrations
+from drmas.tasks.math import (
+    answers_match,
+    column_working,
+    generate_arithmetic,
+    load_math_questions,
+    math_demonstrations,
+    solution_demonstration,
+)
 from drmas.tasks.search.answers import exact_match
 from drmas.tasks.search.retrieval import Retriever
 from drmas.tasks.search.task import search_demonstrations
 from drmas.tasks.search.world import demonstration_queries, generated_facts
+from drmas.tasks.word_problems import generate_word_problems
 from drmas.team.agents import extract_boxed
 
 ROOT = Path(__file__).parent.parent
@@ -59,12 +67,38 @@ def test_demonstrations_are_imperfect_as_configured():
     assert len(seconds) == verdicts.count("<verify>reject</verify>")
 
 
-def test_non_arithmetic_questions_have_no_demonstrations():
+def test_questions_without_a_worked_solution_have_no_demonstrations():
     config = load_config(ROOT / "configs" / "math_tiny.yaml")
-    with pytest.raises(ValueError, match="only generated:arithmetic"):
+    with pytest.raises(ValueError, match=r"Fermat's last theorem\.\": it has no worked solution"):
         math_demonstrations(
             [Question("q", "Prove Fermat's last theorem.", ("x",), "t")], config, np.random.default_rng(0)
         )
+
+
+def test_worked_solutions_become_demonstrations_in_the_asked_format():
+    """A GSM8K file's and the generated word problems' worked solutions teach the Solver its
+    steps without the calculator notes, then the boxed answer; the wrong first attempts box
+    another number and the Verifier is shown both."""
+    config = load_config(
+        ROOT / "configs" / "math_tiny.yaml",
+        [f"data.train={ROOT / 'tests/data/gsm8k_style_train.jsonl'}", "warmstart.wrong_fraction=0.5"],
+    )
+    questions = load_math_questions(config.data.train, "train", config.data, 0)
+    assert all(question.solution for question in questions)
+    right, value = solution_demonstration(questions[0])
+    assert "<<" not in right and right.endswith(f"The answer is \\boxed{{{questions[0].answers[0]}}}.")
+    assert value == int(questions[0].answers[0])
+    demos = math_demonstrations(questions, config, np.random.default_rng(0))
+    firsts = [response for prompt, response in demos["solver"] if "Verifier:" not in prompt]
+    graded = [answers_match(extract_boxed(r) or "", q.answers[0]) for q, r in zip(questions, firsts, strict=True)]
+    assert 0 < graded.count(False) < len(questions)
+    assert {r.rpartition("\\boxed")[0] for r in firsts} <= {
+        solution_demonstration(q)[0].rpartition("\\boxed")[0] for q in questions
+    }
+    words = generate_word_problems(50, "train", seed=3)
+    for question in words:
+        worked, value = solution_demonstration(question)
+        assert value == int(question.answers[0]) and extract_boxed(worked) == question.answers[0]
 
 
 SMALL_WORLD = "data.generated_train_size=1200"

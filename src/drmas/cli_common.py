@@ -100,7 +100,7 @@ def warn_if_bf16_is_slow_here(config: DrmasConfig) -> None:
     groups = sorted({g.model for g in config.worker_groups() if g.spec is not None and g.spec.dtype == "bfloat16"})
     if not groups:
         return
-    from drmas.infra.cpus import native_bf16  # noqa: PLC0415 - imports torch
+    from drmas.config.hardware import native_bf16  # noqa: PLC0415 - imports torch
 
     if native_bf16():
         return

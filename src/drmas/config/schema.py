@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from drmas.config.hardware import native_bf16
 from drmas.weights import local_model_problem
 
 __all__ = [
@@ -139,9 +140,32 @@ class TaskConfig(Section):
     retrieval_stopwords: Literal["none", "english"] = "english"
     """search: drop bm25s's English stop words from passages and queries ('none' keeps
     every word; the service's ``--stopwords``); part of the corpus hash too."""
+    retrieval_method: Literal["bm25", "dense"] = "bm25"
+    """search: how passages are found. 'bm25': BM25 over words (bm25s, tokenised as
+    retrieval_stemmer and retrieval_stopwords say). 'dense': as the reference's retrieval
+    server, an e5-style encoder (retrieval_encoder: mean pooling over the attention mask,
+    L2-normalised) and an exact inner-product FAISS index (IndexFlatIP). Part of the corpus
+    hash: an index built otherwise is neither reused nor accepted from a retrieval service
+    (start it with ``--method``). The settings of the other method must keep their defaults."""
+    retrieval_encoder: str = Field("intfloat/e5-base-v2", min_length=1)
+    """search, dense: the encoder, a hub id or a local folder, loaded from safetensors only
+    (the service's ``--encoder``). The corpus hash holds a fingerprint of its weights and
+    vocabulary, not its name: an index built with other weights is never reused, and a local
+    copy of a hub model agrees with its hub id."""
+    retrieval_max_length: int = Field(256, ge=8, le=8192)
+    """search, dense: the most tokens of a query or passage that the encoder reads, its
+    prefix included (the rest is cut); the reference's 256. Part of the corpus hash."""
+    retrieval_query_prefix: str = "query: "
+    """search, dense: put before every query, as e5 was trained ('' for an encoder trained
+    without one). Part of the corpus hash."""
+    retrieval_passage_prefix: str = "passage: "
+    """search, dense: put before every passage, as e5 was trained. Part of the corpus hash."""
+    retrieval_batch_size: int = Field(64, ge=1)
+    """search, dense: passages encoded at once while the index is built (memory and speed,
+    not results)."""
     retrieval_url: str | None = None
     """search: base URL of a retrieval service (``drmas serve-retrieval``), e.g.
-    http://drmas-retrieval.drmas.svc.cluster.local:8080. Unset: BM25 in the stage's own
+    http://drmas-retrieval.drmas.svc.cluster.local:8080. Unset: retrieval in the stage's own
     process (the embedded default). Served and in-process results are the same for the same
     corpus, so this (like the other retrieval_* service settings) is not in any cache key."""
     retrieval_timeout_s: float = Field(60.0, gt=0)
@@ -191,6 +215,31 @@ class TaskConfig(Section):
                 "must look like http(s)://host:port (a path is allowed), with no credentials, query or fragment in it"
             )
         return value
+
+    @model_validator(mode="after")
+    def _retrieval_settings_of_its_method(self) -> TaskConfig:
+        """A setting that the chosen retrieval method never reads is a mistake (dense
+        retrieval asked for in the wrong field, or a forgotten retrieval_method), not a no-op."""
+        settings = {
+            "bm25": ("retrieval_stemmer", "retrieval_stopwords"),
+            "dense": (
+                "retrieval_encoder",
+                "retrieval_max_length",
+                "retrieval_query_prefix",
+                "retrieval_passage_prefix",
+                "retrieval_batch_size",
+            ),
+        }
+        unread = settings["bm25" if self.retrieval_method == "dense" else "dense"]
+        changed = [name for name in unread if getattr(self, name) != type(self).model_fields[name].default]
+        if changed:
+            other = "dense" if self.retrieval_method == "bm25" else "bm25"
+            raise ValueError(
+                f"{', '.join(changed)}: only {other} retrieval reads {'them' if len(changed) > 1 else 'it'}, "
+                f"and retrieval_method is {self.retrieval_method} (set retrieval_method: {other}, or leave "
+                f"{'them' if len(changed) > 1 else 'it'} unset)"
+            )
+        return self
 
     @property
     def orchestra_name(self) -> str:
@@ -281,12 +330,15 @@ class ModelSpec(Section):
     """Scratch models: MLP width."""
     vocab_size: int = Field(512, ge=64)
     """Scratch models: tokenizer vocabulary size."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     """Parameter dtype for training and rollout. bfloat16 trains in mixed precision: bf16
     compute, fp32 master weights and optimizer state (both engines, saved with the
     optimizer state so a resume continues from them); gradients accumulate in fp32 on the
     torch engine and in bf16 under DeepSpeed (as DeepSpeed does by default). The stored and
-    rolled-out policy is bf16."""
+    rolled-out policy is bf16. ``auto``: bfloat16 where the pool computes it natively (a GPU
+    pool; this machine's CPU with AVX-512 or AMX), else float32 (a CPU that would emulate
+    bf16 many times slower; a remote CPU pool, which this machine cannot inspect). Resolved
+    when the config is loaded: the resolved config records the choice."""
     lora: LoraSpec | None = None
     """Train LoRA adapters instead of every weight (see LoraSpec). Unset: full fine-tuning."""
     chat_template_kwargs: TemplateVariables = {}
@@ -743,6 +795,12 @@ class DrmasConfig(Section):
         """Fill the fields whose default depends on others; a copy is assigned (not the
         nested section changed in place) so that a section object the caller passed in is
         never altered. The assignment validates once more and finds nothing left to fill."""
+        if any(spec.dtype == "auto" for spec in self.models.values()):
+            chosen = self._automatic_dtype()
+            self.models = {
+                name: spec.model_copy(update={"dtype": chosen}) if spec.dtype == "auto" else spec
+                for name, spec in self.models.items()
+            }
         if self.train.recompute_old_logprobs is None:
             drift = self._logprobs_may_drift()
             self.train = self.train.model_copy(update={"recompute_old_logprobs": drift})
@@ -752,6 +810,14 @@ class DrmasConfig(Section):
             scratch = any(g.spec is not None and g.spec.source == "scratch" for g in self.worker_groups())
             self.task = self.task.model_copy(update={"prompts": "compact" if scratch else "reference"})
         return self
+
+    def _automatic_dtype(self) -> Literal["float32", "bfloat16"]:
+        """``dtype: auto``'s choice for this config's pool (see ModelSpec.dtype)."""
+        if self.ray.pool_resource == "GPU":
+            return "bfloat16"
+        if self.ray.address:
+            return "float32"
+        return "bfloat16" if native_bf16() else "float32"
 
     def _logprobs_may_drift(self) -> bool:
         """Whether the rollout engine's log-probs can differ from the trainer's for the same

@@ -1,4 +1,4 @@
-"""What this machine's CPU offers drmas's torch work: its threads, and native bf16."""
+"""What this machine's CPU offers drmas's torch work: its threads (native bf16: ``drmas.config.hardware``)."""
 
 from __future__ import annotations
 
@@ -57,12 +57,3 @@ def cgroup_cpu_quota(root: Path = CGROUP_ROOT) -> int | None:
 def _cpus(quota: int, period: int) -> int | None:
     """``quota / period`` CPUs, rounded up; None for a period that makes no sense."""
     return -(-quota // period) if period > 0 and quota > 0 else None
-
-
-def native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX-512 or AMX, as oneDNN requires). Without
-    it torch emulates bf16: a SmolLM2-sized matmul and its backward took 12.6x float32's
-    time on an AVX2-only EPYC, where with AMX bf16 is 1.4-1.6x faster than float32."""
-    import torch  # noqa: PLC0415 - only asked when a bf16 group would train here
-
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

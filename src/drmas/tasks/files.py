@@ -651,13 +651,15 @@ def read_questions(
     *,
     store: StoreLocation | Store | None = None,
     split: Split = "train",
+    worked_solution: Callable[[Any], str] | None = None,
 ) -> list[Question]:
     """The questions of a file or a dataset folder (local, or on S3 read with ``store``'s
     S3 endpoint and region: see ``open_data``), in file order; of a folder with several
     splits, the one ``data.{split}_split`` names.
 
     ``gold_answers`` turns the answer field's value into the accepted answers (empty when
-    there is none). The qid is the ``id`` column or else the row index, and must be unique;
+    there is none); ``worked_solution``, when given, into ``Question.solution``. The qid
+    is the ``id`` column or else the row index, and must be unique;
     ``data_source`` defaults to the file's stem or the folder's name.
     """
     found = read_rows(spec, store, FolderSplit.of(data, split))
@@ -680,7 +682,8 @@ def read_questions(
         question = _question_text(raw_question)
         if not question:
             raise DataError(f"{path}: {label}: empty or missing question ({question_field!r}{_not_text(raw_question)})")
-        answers = gold_answers(field_value(row, answer_field))
+        raw_answer = field_value(row, answer_field)
+        answers = gold_answers(raw_answer)
         if not answers:
             raise DataError(f"{path}: {label}: missing or empty answer ({answer_field!r})")
         qid = str(index) if row.get("id") is None else str(row["id"])
@@ -688,5 +691,6 @@ def read_questions(
             raise DataError(f"{path}: duplicated id {qid!r} ({first_label[qid]} and {label})")
         first_label[qid] = label
         source = _data_source(field_value(row, data.data_source_field), found.source)
-        questions.append(Question(qid, question, answers, source))
+        solution = worked_solution(raw_answer) if worked_solution else ""
+        questions.append(Question(qid, question, answers, source, solution))
     return questions

@@ -25,6 +25,7 @@ from drmas.tasks import DataError, Demonstrations, Question, Split, Tools
 from drmas.tasks.files import read_questions
 from drmas.tasks.grading import answers_match, grade_answer, normalize_answer, start_in_background
 from drmas.tasks.reference_grading import grade_answer_reference
+from drmas.tasks.word_problems import generate_word_problems
 from drmas.team.agents import (
     MathVerifierAgent,
     ParsingRules,
@@ -51,6 +52,7 @@ __all__ = [
     "math_demonstrations",
     "math_reward",
     "normalize_answer",
+    "solution_demonstration",
 ]
 
 # --------------------------------------------------------------------------------------
@@ -191,7 +193,7 @@ def generate_arithmetic(count: int, split: Literal["train", "eval"], seed: int, 
 # Data files
 # --------------------------------------------------------------------------------------
 
-GENERATED_SETS = ("arithmetic",)
+GENERATED_SETS = ("arithmetic", "word_problems")
 _GSM8K_MARK = "####"
 
 
@@ -211,6 +213,18 @@ def _gold_answer(value: Any) -> str:
     if boxed is None and ("\\boxed" in text or "\\fbox" in text):
         return ""  # a box that does not close: a gold answer that could never match
     return (text if boxed is None else boxed).strip()
+
+
+def _worked_solution(value: Any) -> str:
+    """The answer field's worked solution: GSM8K's steps and ``#### N``, or a MATH
+    solution with its box; "" for a bare answer (a number, a list, a short text)."""
+    if not isinstance(value, str):
+        return ""
+    if _GSM8K_MARK in value:
+        return value.strip() if value.partition(_GSM8K_MARK)[0].strip() else ""
+    boxed = extract_boxed(value)
+    besides_box = value.replace(f"\\boxed{{{boxed}}}", "").strip() if boxed is not None else ""
+    return value.strip() if besides_box else ""
 
 
 def _gold_answers(value: Any) -> tuple[str, ...]:
@@ -245,11 +259,13 @@ def load_math_questions(
     """
     name = spec.removeprefix("generated:")
     if name == spec:
-        return read_questions(spec, data, _gold_answers, store=store, split=split)
+        return read_questions(spec, data, _gold_answers, store=store, split=split, worked_solution=_worked_solution)
     if name not in GENERATED_SETS:
         known = ", ".join(GENERATED_SETS)
         raise DataError(f"{spec}: unknown generated set {name!r}; known: {known}")
     size = data.generated_train_size if split == "train" else data.generated_eval_size
+    if name == "word_problems":
+        return generate_word_problems(size, split, seed)
     return generate_arithmetic(size, split, seed)
 
 
@@ -286,36 +302,61 @@ def column_working(a: int, op: str, b: int) -> str:
     return f"{', '.join(steps)}. \\boxed{{{result}}}"
 
 
+def solution_demonstration(question: Question) -> tuple[str, int | None]:
+    """The Solver's demonstrated answer to ``question`` in the asked format, and its answer
+    as an integer when it is one (so a wrong attempt can change it).
+
+    Arithmetic ("What is 37 + 48?"): digit-by-digit working (``column_working``). A worked
+    solution in GSM8K's form: its steps without the ``<<...>>`` calculator notes, then
+    "The answer is \\boxed{N}." A MATH-style solution: as written (it ends in its box).
+    """
+    match = ARITHMETIC.match(question.question)
+    if match is not None:
+        a, op, b = int(match.group(1)), match.group(2), int(match.group(3))
+        return column_working(a, op, b), a + b if op == "+" else a - b
+    if not question.solution:
+        raise DataError(
+            f"warm start: no demonstration for {question.question!r}: it has no worked solution "
+            "(generated:arithmetic, generated:word_problems and GSM8K- or MATH-style answer fields have them)"
+        )
+    answer = question.answers[0]
+    value = int(answer) if re.fullmatch(r"-?\d+", answer) else None
+    if _GSM8K_MARK in question.solution:
+        steps = _CALCULATOR_NOTE.sub("", question.solution.rpartition(_GSM8K_MARK)[0]).strip()
+        return f"{steps}\nThe answer is \\boxed{{{answer}}}.", value
+    return question.solution, value
+
+
+_CALCULATOR_NOTE = re.compile(r"<<[^<>]*>>")
+
+
+def _with_answer(demonstration: str, value: int) -> str:
+    """The demonstration with ``value`` in its last box instead."""
+    head, _, tail = demonstration.rpartition("\\boxed{")
+    return f"{head}\\boxed{{{value}}}{tail.partition('}')[2]}"
+
+
 def math_demonstrations(questions: list[Question], config: DrmasConfig, rng: np.random.Generator) -> Demonstrations:
     """(prompt, response) pairs per agent: first solves, verdicts, and second solves.
 
-    The Solver writes its working digit by digit and boxes the answer (computed, never
-    sampled); ``warmstart.wrong_fraction`` of the first attempts box a wrong number, and
-    ``warmstart.verdict_noise`` of the Verifier's verdicts are wrong.
+    The Solver's answers are ``solution_demonstration``'s (computed or written, never
+    sampled); ``warmstart.wrong_fraction`` of the first attempts box a wrong number (when the
+    answer is an integer), and ``warmstart.verdict_noise`` of the Verifier's verdicts are
+    wrong.
     """
     solver, verifier = SolverAgent(config.task.prompts), MathVerifierAgent(config.task.prompts)
     warm = config.warmstart
     demos: Demonstrations = {"solver": [], "verifier": []}
     for question in questions:
-        match = ARITHMETIC.match(question.question)
-        if match is None:
-            raise DataError(
-                f"warm start: no demonstration for {question.question!r} (only generated:arithmetic has them)"
-            )
-        a, op, b = int(match.group(1)), match.group(2), int(match.group(3))
-        right = column_working(a, op, b)
-        wrong_value = (a + b if op == "+" else a - b) + int(rng.choice([-10, -1, 1, 10]))
-        attempt = (
-            right
-            if rng.random() >= warm.wrong_fraction
-            else right.rsplit("\\boxed", 1)[0] + f"\\boxed{{{wrong_value}}}"
-        )
+        right, value = solution_demonstration(question)
+        offset = int(rng.choice([-10, -1, 1, 10]))
+        wrong = rng.random() < warm.wrong_fraction and value is not None
+        attempt = _with_answer(right, value + offset) if wrong and value is not None else right
         episode = Episode("u", "t", 0, question)
         demos["solver"].append((solver.prompt(episode, 1), attempt))
         episode.team_context.append(f"Solver: {attempt}")
-        correct = attempt == right
         verdict_right = rng.random() >= warm.verdict_noise
-        approve = correct if verdict_right else not correct
+        approve = not wrong if verdict_right else wrong
         response = f"<verify>{'approve' if approve else 'reject'}</verify>"
         demos["verifier"].append((verifier.prompt(episode, 1), response))
         if not approve:  # the second attempt, after a rejection, is right

@@ -27,6 +27,10 @@ class Question:
     """Accepted answers; the reward compares the final answer against each."""
     data_source: str
     """Where the question comes from (metrics are also reported per source)."""
+    solution: str = ""
+    """A worked solution ending in the answer, in the data's own form (GSM8K's steps and
+    ``#### N``, MATH's boxed solution); "" when the data has none. The warm start can teach
+    from it (``drmas.tasks.math.math_demonstrations``)."""
 
 
 @dataclass(frozen=True)
