@@ -691,7 +691,8 @@ def test_retrieval_service_is_the_one_the_search_configs_name() -> None:
     args = server_args(container)
     assert args["--host"] == "0.0.0.0" and args["--port"] == str(RETRIEVAL_PORT)
     (job,) = one(docs, "Job", "drmas-retrieval-index")["spec"]["template"]["spec"]["containers"]
-    assert server_args(job) == {"--corpus": args["--corpus"], "--store": args["--store"], "--build-only": True}
+    indexed = {flag: value for flag, value in args.items() if flag not in ("--host", "--port")}
+    assert server_args(job) == {**indexed, "--build-only": True}
     service = one(docs, "Service", "drmas-retrieval")
     assert service["spec"]["ports"] == [{"name": "http", "port": RETRIEVAL_PORT, "targetPort": "http"}]
     # Sized for wiki-18 (not measured): a request in tens of GiB, /tmp on an emptyDir.
@@ -706,6 +707,10 @@ def test_retrieval_service_is_the_one_the_search_configs_name() -> None:
         assert url.port == RETRIEVAL_PORT
         assert config["data"]["corpus"] == args["--corpus"], "the service serves the corpus the run names"
         assert config["store"]["root"] == args["--store"], "the index is cached where the run's store is"
+        task = config["task"]
+        assert args.get("--method", "bm25") == task.get("retrieval_method", "bm25"), "it retrieves as the run does"
+        if args.get("--method") == "dense":
+            assert args["--encoder"] == task["retrieval_encoder"], "with the run's encoder"
         assert f"task.retrieval_url: {config['task']['retrieval_url']}" in (MANIFESTS / "README.md").read_text()
 
 

@@ -135,7 +135,8 @@ def test_served_search_equals_in_process_search(command_service, passages):
         "corpus_hash": Retriever.corpus_hash(passages),
         "passages": len(passages),
         "format": "drmas.bm25/1",
-        "tokenization": {"stemmer": "none", "stopwords": "english"},
+        "method": "bm25",
+        "settings": {"stemmer": "none", "stopwords": "english"},
     }
     for k in (1, 3, 1000):  # 1000: more than the corpus holds
         expected = local.search(QUERIES, k)

@@ -3,8 +3,10 @@
 retries, batching and a check that the service serves the corpus the run names.
 
 The search task uses it when ``task.retrieval_url`` is set. On first use it checks that
-the service serves the corpus the config names (``RetrievalMismatch`` otherwise), and
-every answer must carry that corpus's hash. A connection error, a timeout, a 5xx or a
+the service retrieves as the config says (BM25 or dense: ``task.retrieval_method``) from
+the corpus the config names, indexed with its settings (``RetrievalMismatch`` otherwise,
+saying what the service and the config each have), and every answer must carry that
+corpus's hash. A connection error, a timeout, a 5xx or a
 429 is retried ``retries`` times, waiting ``backoff_s``, then twice as long each time
 (at most ``MAX_BACKOFF_S``; a longer ``Retry-After`` is honoured up to that); then
 ``RetrievalUnavailable`` names the URL, the request, the attempts and the last failure.
@@ -44,6 +46,13 @@ logger = logging.getLogger(__name__)
 
 MAX_QUERIES = 4096
 """The most queries one /search request may hold (the client sends batches of fewer)."""
+
+
+QUERIES_PER_REQUEST = 64
+"""Queries per /search request by default: ``drmas.tasks.search.dense.QUERY_BATCH`` too (a
+test holds them equal), so that a served dense search sees the very batches an in-process one
+does (a query's vector, and so the order of near-ties, may depend in its last bits on the
+batch it is encoded with)."""
 
 
 MAX_BACKOFF_S = 30.0
@@ -98,7 +107,9 @@ class RetrievalClient:
     """A retrieval service's ``search(queries, k)``, the same as ``Retriever.search``.
 
     ``expected_hash`` is the corpus hash the service must serve (or a function computing
-    it on first use; None: not checked). A request is retried ``retries`` times after a
+    it on first use; None: not checked); ``expected_method`` the retrieval method it must
+    use (bm25 or dense; None: not checked), whose ``expected_settings`` the messages show
+    beside the service's. A request is retried ``retries`` times after a
     connection error, a timeout (``timeout_s`` per attempt), a 5xx or a 429; queries go in
     batches of at most ``batch_size`` per request. Thread-safe.
     """
@@ -111,7 +122,9 @@ class RetrievalClient:
         retries: int = 4,
         backoff_s: float = 0.5,
         expected_hash: str | Callable[[], str] | None = None,
-        batch_size: int = 64,
+        expected_method: str | None = None,
+        expected_settings: dict[str, Any] | None = None,
+        batch_size: int = QUERIES_PER_REQUEST,
     ) -> None:
         if not 1 <= batch_size <= MAX_QUERIES:
             raise ValueError(f"batch_size must be from 1 to {MAX_QUERIES}, got {batch_size}")
@@ -121,6 +134,8 @@ class RetrievalClient:
         self.backoff_s = backoff_s
         self.batch_size = batch_size
         self._expected = expected_hash
+        self._expected_method = expected_method
+        self._expected_settings = expected_settings
         self._served: str | None = None
         self._lock = threading.Lock()
         # No proxy from the environment: the service is in the cluster (or on this host),
@@ -139,20 +154,33 @@ class RetrievalClient:
 
     def check(self) -> str:
         """The hash of the corpus the service serves, checked (once) against the expected
-        one; RetrievalMismatch when they differ."""
+        method, then the expected hash; RetrievalMismatch when either differs."""
         with self._lock:
             if self._served is None:
                 health = self.health()
                 served = str(health["corpus_hash"])
+                # A service from before dense retrieval reports no method: it serves BM25.
+                method = str(health.get("method", "bm25"))
+                settings = health.get("settings", health.get("tokenization", "unreported"))
+                wanted = f" with {self._expected_settings}" if self._expected_settings is not None else ""
+                if self._expected_method is not None and method != self._expected_method:
+                    raise RetrievalMismatch(
+                        f"retrieval service {self.url} serves {method} retrieval (settings {settings}), but this "
+                        f"config's task.retrieval_method is {self._expected_method}{wanted}. Start the service "
+                        f"with --method {self._expected_method} and the config's settings, or point "
+                        "task.retrieval_url at one that serves them."
+                    )
                 expected = self._expected() if callable(self._expected) else self._expected
                 if expected is not None and served != expected:
                     raise RetrievalMismatch(
-                        f"retrieval service {self.url} serves another corpus than this config names: "
-                        f"it serves corpus hash {served} ({health.get('passages')} passages, tokenization "
-                        f"{health.get('tokenization', 'unreported')}), the config's corpus (data.corpus, or the "
-                        f"generated world, tokenised as task.retrieval_stemmer/retrieval_stopwords say) hashes "
-                        f"to {expected}. Start the service on the config's corpus with its --stemmer and "
-                        "--stopwords, or point task.retrieval_url at one that serves it."
+                        f"retrieval service {self.url} serves another corpus or index than this config names: "
+                        f"it serves corpus hash {served} ({health.get('passages')} passages, {method} retrieval, "
+                        f"settings {settings}), the config's corpus (data.corpus, or the generated world) "
+                        f"indexed as its task.retrieval_* settings say{wanted} (bm25: task.retrieval_stemmer and "
+                        "retrieval_stopwords; dense: task.retrieval_encoder's weights, retrieval_max_length and "
+                        f"the prefixes) hashes to {expected}. Start the service on the config's corpus with the "
+                        "same settings (--method, --stemmer, --stopwords, --encoder, ...), or point "
+                        "task.retrieval_url at one that serves it."
                     )
                 self._served = served
             return self._served

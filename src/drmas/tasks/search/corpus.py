@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from drmas.tasks import DataError
 from drmas.tasks.files import read_jsonl, read_questions
-from drmas.tasks.search.retrieval import Retriever, Tokenization
+from drmas.tasks.search.retrieval import IndexMethod, Tokenization, corpus_hash
 from drmas.tasks.search.world import GENERATED_FACTS, GENERATED_PREFIX, generated_facts
 from drmas.team.orchestras import Passage
 
@@ -40,19 +40,19 @@ def corpus_hash_for(
     data: DataConfig,
     seed: int,
     store: StoreLocation | Store | None = None,
-    tokenization: Tokenization = Tokenization(),
+    method: IndexMethod = Tokenization(),
 ) -> str:
-    """``Retriever.corpus_hash`` of ``corpus_for(data, seed, store)`` tokenised as
-    ``tokenization``; a corpus file is streamed, never held whole (a wiki-scale corpus does
-    not fit a rollout driver's memory). The hash is of the passages, not of where they are:
-    the same file hashes the same, local or on S3."""
+    """``corpus_hash`` of ``corpus_for(data, seed, store)`` indexed by ``method`` (by
+    default BM25, tokenised as ``Tokenization()`` says); a corpus file is streamed, never
+    held whole (a wiki-scale corpus does not fit a rollout driver's memory). The hash is of
+    the passages, not of where they are: the same file hashes the same, local or on S3."""
     if data.corpus:
         passages = iter_corpus(data.corpus, store)
         first = next(passages, None)
         if first is None:
             raise DataError(f"{data.corpus}: no passages (the file is empty)")
-        return Retriever.corpus_hash(itertools.chain([first], passages), tokenization)
-    return Retriever.corpus_hash(generated_facts(data, seed)[0], tokenization)
+        return corpus_hash(itertools.chain([first], passages), method)
+    return corpus_hash(generated_facts(data, seed)[0], method)
 
 
 def _passage_text(row: dict[str, Any]) -> str | None:

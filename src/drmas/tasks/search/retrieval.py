@@ -1,10 +1,16 @@
-"""BM25 retrieval over a passage corpus, and its index cached in the artifact store.
+"""Retrieval over a passage corpus, BM25 here, and any method's index cached in the store.
 
-Retrieval is BM25 (``bm25s``) over lower-cased word tokens, split as bm25s's tokenizer does,
-with its English stop words removed and no stemming unless ``task.retrieval_stemmer: english``
+A retrieval method (``IndexMethod``) turns passages into a searchable index
+(``SearchIndex``) and says what identifies that index: BM25 terms (``Tokenization``, this
+module) or dense embeddings (``drmas.tasks.search.dense.Encoder``). Both are cached alike by
+``cached_retriever``, under ``{method's cache prefix}/{corpus_hash}``, the hash holding the
+method's settings, and loaded without unpickling anything.
+
+BM25 (``bm25s``) scores lower-cased word tokens, split as bm25s's tokenizer does, with its
+English stop words removed and no stemming unless ``task.retrieval_stemmer: english``
 (Snowball, through PyStemmer) or ``task.retrieval_stopwords: none`` say otherwise
 (``Tokenization``). An index is built once per corpus and tokenisation and cached in the
-artifact store under ``_cache/bm25/{corpus_hash}``; loading it never unpickles anything.
+artifact store under ``_cache/bm25/{corpus_hash}``.
 
 Its own module because two sides use it: the search task retrieves in process with it, and
 the retrieval service (``drmas.tasks.search.service``) serves the same index over HTTP.
@@ -20,7 +26,7 @@ import tempfile
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import bm25s
 import Stemmer
@@ -39,9 +45,14 @@ __all__ = [
     "PASSAGES_FILE",
     "STOPWORDS",
     "TOKEN_PATTERN",
+    "IndexMethod",
     "Retriever",
+    "SearchIndex",
     "Tokenization",
     "cached_retriever",
+    "corpus_hash",
+    "read_passages",
+    "write_passages",
 ]
 
 logger = logging.getLogger(__name__)
@@ -58,6 +69,52 @@ STOPWORDS = frozenset(STOPWORDS_EN)
 """bm25s's English stop words: never indexed unless ``task.retrieval_stopwords: none``."""
 
 
+class SearchIndex(Protocol):
+    """A corpus made searchable: ``Retriever`` (BM25) or ``DenseRetriever`` (dense)."""
+
+    passages: list[Passage]
+
+    @property
+    def method(self) -> IndexMethod:
+        """How it was built: what its corpus hash holds."""
+        ...
+
+    def search(self, queries: list[str], k: int) -> list[list[Passage]]:
+        """The best ``k`` passages for each query, best first."""
+        ...
+
+    def save_to(self, writer: ArtifactWriter) -> None:
+        """Its passages and index, as ``method.load`` reads them back."""
+        ...
+
+
+class IndexMethod(Protocol):
+    """How passages become a ``SearchIndex``, and what identifies one (``task.retrieval_method``)."""
+
+    name: ClassVar[str]
+    """bm25 or dense, as ``task.retrieval_method`` names it."""
+    label: ClassVar[str]
+    """The method as messages name it: BM25, dense."""
+    format: ClassVar[str]
+    """The index's format: part of the corpus hash, so a change of layout misses old caches."""
+    cache_prefix: ClassVar[str]
+    """Where the store caches this method's indexes, under their corpus hash."""
+
+    def hashed(self) -> bytes:
+        """What the corpus hash holds of the settings besides the format."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """The settings, as the cache's meta and the service's /health report them."""
+        ...
+
+    def build(self, passages: list[Passage]) -> SearchIndex: ...
+
+    def load(self, artifact: Artifact) -> SearchIndex:
+        """An index that ``SearchIndex.save_to`` wrote; CorruptArtifact if it cannot be one."""
+        ...
+
+
 @dataclass(frozen=True)
 class Tokenization:
     """How passages and queries become BM25 terms: lower case, ``TOKEN_PATTERN`` words,
@@ -68,6 +125,11 @@ class Tokenization:
     "run", not "running"), so the tokenisation is part of the corpus hash: a cached index
     is reused, and a retrieval service accepted, only for the same one.
     """
+
+    name: ClassVar[str] = "bm25"
+    label: ClassVar[str] = "BM25"
+    format: ClassVar[str] = INDEX_FORMAT
+    cache_prefix: ClassVar[str] = CACHE_PREFIX
 
     stemmer: Literal["none", "english"] = "none"
     stopwords: Literal["none", "english"] = "english"
@@ -96,8 +158,14 @@ class Tokenization:
         cached and hashes pinned before stemming was an option stay valid."""
         return b"" if self == Tokenization() else json.dumps([self.stemmer, self.stopwords]).encode()
 
-    def describe(self) -> dict[str, str]:
+    def describe(self) -> dict[str, Any]:
         return {"stemmer": self.stemmer, "stopwords": self.stopwords}
+
+    def build(self, passages: list[Passage]) -> Retriever:
+        return Retriever.build(passages, self)
+
+    def load(self, artifact: Artifact) -> Retriever:
+        return Retriever.load_from(artifact, self)
 
 
 _THREAD_STEMMERS = threading.local()
@@ -122,6 +190,10 @@ class Retriever:
         self.index = index
         self.passages = passages
         self.tokenization = tokenization
+
+    @property
+    def method(self) -> Tokenization:
+        return self.tokenization
 
     @classmethod
     def build(cls, passages: list[Passage], tokenization: Tokenization = Tokenization()) -> Retriever:
@@ -160,19 +232,12 @@ class Retriever:
 
     @staticmethod
     def corpus_hash(passages: Iterable[Passage], tokenization: Tokenization = Tokenization()) -> str:
-        """sha256 of the index format, the tokenisation and every (id, text), in order: the
-        cache key (and what a retrieval service reports, so that a client can tell it
-        serves its corpus, tokenised as the client's config says)."""
-        digest = hashlib.sha256(INDEX_FORMAT.encode() + tokenization.hashed())
-        for passage in passages:
-            line = json.dumps([passage.pid, passage.text], ensure_ascii=False) + "\n"
-            digest.update(line.encode())
-        return digest.hexdigest()
+        """``corpus_hash`` of the passages tokenised as ``tokenization``."""
+        return corpus_hash(passages, tokenization)
 
     def save_to(self, writer: ArtifactWriter) -> None:
         """The passages and every file bm25s writes (numpy arrays without pickle, JSON)."""
-        lines = [json.dumps({"id": p.pid, "text": p.text}, ensure_ascii=False) for p in self.passages]
-        writer.write_bytes(PASSAGES_FILE, "".join(line + "\n" for line in lines).encode())
+        write_passages(writer, self.passages)
         with tempfile.TemporaryDirectory() as folder:
             self.index.save(folder, show_progress=False, allow_pickle=False)
             writer.put_dir(folder, INDEX_DIR)
@@ -185,7 +250,7 @@ class Retriever:
         Arrays are loaded with ``allow_pickle=False``: a store is input, and unpickling
         input runs arbitrary code.
         """
-        passages = _read_passages(artifact)
+        passages = read_passages(artifact)
         with tempfile.TemporaryDirectory() as folder:
             artifact.download(folder, prefix=INDEX_DIR)
             try:
@@ -200,7 +265,26 @@ class Retriever:
         return cls(index, passages, tokenization)
 
 
-def _read_passages(artifact: Artifact) -> list[Passage]:
+def corpus_hash(passages: Iterable[Passage], method: IndexMethod) -> str:
+    """sha256 of the method's index format and settings and of every (id, text), in order:
+    the cache key, and what a retrieval service reports, so that a client can tell that it
+    serves its corpus, indexed as the client's config says. BM25's default tokenisation adds
+    nothing to the format, so hashes pinned before the other settings existed stay valid."""
+    digest = hashlib.sha256(method.format.encode() + method.hashed())
+    for passage in passages:
+        line = json.dumps([passage.pid, passage.text], ensure_ascii=False) + "\n"
+        digest.update(line.encode())
+    return digest.hexdigest()
+
+
+def write_passages(writer: ArtifactWriter, passages: list[Passage]) -> None:
+    """The passages as JSON lines: what every index is saved with, and ``read_passages`` reads."""
+    lines = [json.dumps({"id": p.pid, "text": p.text}, ensure_ascii=False) for p in passages]
+    writer.write_bytes(PASSAGES_FILE, "".join(line + "\n" for line in lines).encode())
+
+
+def read_passages(artifact: Artifact) -> list[Passage]:
+    """The passages ``write_passages`` wrote; CorruptArtifact naming the file if unreadable."""
     try:
         lines = artifact.read_bytes(PASSAGES_FILE).decode("utf-8").splitlines()
         return [Passage(str(row["id"]), str(row["text"])) for row in map(json.loads, lines)]
@@ -209,25 +293,26 @@ def _read_passages(artifact: Artifact) -> list[Passage]:
         raise CorruptArtifact(f"{location}: unreadable ({error})") from None
 
 
-def cached_retriever(passages: list[Passage], store: Store, tokenization: Tokenization = Tokenization()) -> Retriever:
-    """The retriever for this corpus and tokenisation, built once and then loaded from the
-    store (under their corpus hash: an index tokenised otherwise is another entry).
+def cached_retriever(passages: list[Passage], store: Store, method: IndexMethod = Tokenization()) -> SearchIndex:
+    """The index of this corpus by this method (BM25 tokenised as ``Tokenization`` says, by
+    default), built once and then loaded from the store, under ``method.cache_prefix`` and
+    the corpus hash: an index built otherwise is another entry.
 
     A cache that cannot be read (a file modified, truncated or missing) is derived data:
     it is rebuilt and replaced, with a warning, rather than failing the run. When another
     process finishes the same cache first, its copy is loaded.
     """
-    path = f"{CACHE_PREFIX}/{Retriever.corpus_hash(passages, tokenization)}"
+    path = f"{method.cache_prefix}/{corpus_hash(passages, method)}"
     if store.exists(path):
         try:
-            return Retriever.load_from(store.open(path), tokenization)
+            return method.load(store.open(path))
         except CorruptArtifact as error:
-            logger.warning("rebuilding the BM25 cache: %s", error)
-    retriever = Retriever.build(passages, tokenization)
+            logger.warning("rebuilding the %s cache: %s", method.label, error)
+    index = method.build(passages)
     try:
-        meta = {"format": INDEX_FORMAT, "passages": len(passages), **tokenization.describe()}
+        meta = {"format": method.format, "passages": len(passages), **method.describe()}
         with store.writer(path, overwrite=store.exists(path), meta=meta) as writer:
-            retriever.save_to(writer)
+            index.save_to(writer)
     except ArtifactExists:
-        return Retriever.load_from(store.open(path), tokenization)
-    return retriever
+        return method.load(store.open(path))
+    return index

@@ -1,22 +1,28 @@
-"""Retrieval as a service: the search task's BM25 served over HTTP, and its command line.
+"""Retrieval as a service: the search task's retrieval served over HTTP, and its command line.
 
 The reference serves retrieval from a separate server (e5 + FAISS over wiki-18, ~21M
-passages); by default drmas builds a BM25 index in the rollout driver's own process. At
+passages); by default drmas builds its index in the rollout driver's own process. At
 wiki scale that index belongs in one service that every rollout and evaluation shares:
 
     drmas serve-retrieval --corpus PATH --store ROOT --port 8080
+    drmas serve-retrieval --corpus PATH --store ROOT --method dense --encoder intfloat/e5-base-v2
     python -m drmas.tasks.search.service --corpus PATH --store ROOT --port 8080   # the same
 
 1. The server loads the corpus and its index exactly as the in-process path does
    (``load_corpus``, then ``cached_retriever``: built once, cached in the store under
-   ``_cache/bm25/{corpus_hash}``, loaded without unpickling), tokenised as ``--stemmer``
-   and ``--stopwords`` say (``task.retrieval_stemmer``/``retrieval_stopwords``; the corpus
-   hash holds them), so a served search returns what ``Retriever.search`` returns. It
-   binds 127.0.0.1 unless told otherwise (``--host``).
+   ``_cache/bm25/{corpus_hash}`` or ``_cache/dense/{corpus_hash}``, loaded without
+   unpickling), indexed as its flags say: ``--method`` (``task.retrieval_method``), BM25's
+   ``--stemmer`` and ``--stopwords``, the dense encoder's ``--encoder``, ``--max-length``
+   and prefixes (``task.retrieval_*``; the corpus hash holds them all), so a served search
+   returns what the in-process one returns. It binds 127.0.0.1 unless told otherwise
+   (``--host``).
 2. Its API is JSON:
 
        GET  /health -> {"status": "ok", "corpus_hash": H, "passages": N, "format": F,
-                        "tokenization": {"stemmer": S, "stopwords": W}}
+                        "method": "bm25", "settings": {"stemmer": S, "stopwords": W}}
+                       (dense: "method": "dense", "settings": {"encoder": E, "fingerprint":
+                        its weights' sha256, "max_length": L, "query_prefix": Q,
+                        "passage_prefix": P})
        POST /search {"queries": ["...", ...], "k": 3}
                     -> {"corpus_hash": H, "results": [[{"id": ..., "text": ...}, ...], ...]}
 
@@ -49,7 +55,8 @@ from drmas.infra.store import Store, StoreError
 from drmas.tasks import DataError
 from drmas.tasks.search.client import MAX_QUERIES
 from drmas.tasks.search.corpus import corpus_for, load_corpus
-from drmas.tasks.search.retrieval import INDEX_FORMAT, Retriever, Tokenization, cached_retriever
+from drmas.tasks.search.dense import DenseEncoding
+from drmas.tasks.search.retrieval import IndexMethod, SearchIndex, Tokenization, cached_retriever, corpus_hash
 from drmas.tasks.search.world import GENERATED_FACTS, GENERATED_PREFIX
 from drmas.team.orchestras import Passage
 
@@ -165,9 +172,9 @@ class RetrievalServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, retriever: Retriever, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> None:
+    def __init__(self, retriever: SearchIndex, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> None:
         self.retriever = retriever
-        self.corpus_hash = Retriever.corpus_hash(retriever.passages, retriever.tokenization)
+        self.corpus_hash = corpus_hash(retriever.passages, retriever.method)
         if ":" in host:
             self.address_family = socket.AF_INET6
         super().__init__((host, port), _Handler)
@@ -183,8 +190,9 @@ class RetrievalServer(ThreadingHTTPServer):
             "status": "ok",
             "corpus_hash": self.corpus_hash,
             "passages": len(self.retriever.passages),
-            "format": INDEX_FORMAT,
-            "tokenization": self.retriever.tokenization.describe(),
+            "format": self.retriever.method.format,
+            "method": self.retriever.method.name,
+            "settings": self.retriever.method.describe(),
         }
 
 
@@ -211,12 +219,13 @@ def serve(
     store: Store,
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
-    tokenization: Tokenization | None = None,
+    method: IndexMethod | None = None,
 ) -> RetrievalServer:
     """A server (not yet serving: call ``serve_forever``) for ``passages``, its index
     loaded from, or built into, ``store``'s cache as the in-process retriever's is
-    (``tokenization``: as ``Retriever``'s, bm25s's English stop words and no stemmer)."""
-    return RetrievalServer(cached_retriever(passages, store, tokenization or Tokenization()), host, port)
+    (``method``: BM25 by default, with bm25s's English stop words and no stemmer; or a
+    loaded dense ``Encoder``)."""
+    return RetrievalServer(cached_retriever(passages, store, method or Tokenization()), host, port)
 
 
 # --------------------------------------------------------------------------------------
@@ -227,7 +236,7 @@ def serve(
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="drmas serve-retrieval",
-        description="Serve the search task's BM25 retrieval over HTTP (GET /health, POST /search).",
+        description="Serve the search task's retrieval (BM25 or dense) over HTTP (GET /health, POST /search).",
     )
     parser.add_argument(
         "--corpus",
@@ -237,7 +246,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--store",
         default="./runs",
-        help="artifact root (a folder or s3://bucket/prefix) whose _cache/bm25 holds the index (default ./runs)",
+        help="artifact root (a folder or s3://bucket/prefix) whose _cache/bm25 or _cache/dense holds the index "
+        "(default ./runs)",
     )
     parser.add_argument(
         "--store-endpoint",
@@ -249,16 +259,56 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free)")
     parser.add_argument(
+        "--method",
+        choices=["bm25", "dense"],
+        default="bm25",
+        help="how passages are found (task.retrieval_method; default bm25): as the runs' configs say",
+    )
+    bm25 = parser.add_argument_group("--method bm25 only: as the runs' task.retrieval_* say")
+    bm25.add_argument(
         "--stemmer",
         choices=["none", "english"],
-        default="none",
-        help="stem BM25 terms (task.retrieval_stemmer; default none): the runs' configs must say the same",
+        default=None,
+        help="stem BM25 terms (task.retrieval_stemmer; default none)",
     )
-    parser.add_argument(
+    bm25.add_argument(
         "--stopwords",
         choices=["none", "english"],
-        default="english",
-        help="drop these stop words (task.retrieval_stopwords; default english): as the runs' configs say",
+        default=None,
+        help="drop these stop words (task.retrieval_stopwords; default english)",
+    )
+    dense = parser.add_argument_group("--method dense only: as the runs' task.retrieval_* say")
+    defaults = DenseEncoding()
+    dense.add_argument(
+        "--encoder", default=None, help=f"hub id or folder (task.retrieval_encoder; default {defaults.encoder})"
+    )
+    dense.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help=f"tokens read of a query or passage (task.retrieval_max_length; default {defaults.max_length})",
+    )
+    dense.add_argument(
+        "--query-prefix",
+        default=None,
+        help=f"put before each query (task.retrieval_query_prefix; default {defaults.query_prefix!r})",
+    )
+    dense.add_argument(
+        "--passage-prefix",
+        default=None,
+        help=f"put before each passage (task.retrieval_passage_prefix; default {defaults.passage_prefix!r})",
+    )
+    dense.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help=f"passages encoded at once while building (task.retrieval_batch_size; default {defaults.batch_size})",
+    )
+    dense.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the encoder computes: cpu (default), or cuda on a node with a GPU (not yet run on one)",
     )
     parser.add_argument(
         "--build-only",
@@ -270,6 +320,32 @@ def _parser() -> argparse.ArgumentParser:
     generated.add_argument("--generated-train-size", type=int, default=None, help="data.generated_train_size")
     generated.add_argument("--generated-eval-size", type=int, default=None, help="data.generated_eval_size")
     return parser
+
+
+BM25_FLAGS = {"stemmer": "--stemmer", "stopwords": "--stopwords"}
+DENSE_FLAGS = {
+    "encoder": "--encoder",
+    "max_length": "--max-length",
+    "query_prefix": "--query-prefix",
+    "passage_prefix": "--passage-prefix",
+    "batch_size": "--batch-size",
+}
+
+
+def _index_method(args: argparse.Namespace) -> IndexMethod:
+    """The flags' retrieval method (for dense, its encoder loaded); ValueError naming a flag
+    that the method does not read, as the config refuses such a setting."""
+    given = {name for name in (*BM25_FLAGS, *DENSE_FLAGS) if getattr(args, name) is not None}
+    unread = given & set(DENSE_FLAGS if args.method == "bm25" else BM25_FLAGS)
+    if unread:
+        flags = ", ".join(sorted({**BM25_FLAGS, **DENSE_FLAGS}[name] for name in unread))
+        raise ValueError(f"{flags}: not read by --method {args.method}")
+    chosen = {name: getattr(args, name) for name in given}
+    if args.method == "bm25":
+        return Tokenization(**chosen)
+    if chosen.get("max_length", 8) < 8 or chosen.get("batch_size", 1) < 1:
+        raise ValueError("--max-length must be at least 8 and --batch-size at least 1")
+    return DenseEncoding(**chosen).load(args.device)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -284,13 +360,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         # No reference to the loaded passages is kept: the server holds its retriever's
         # (at wiki scale, a second copy would double the service's memory).
         passages = load_passages(args.corpus, args.seed, args.generated_train_size, args.generated_eval_size, store)
-        tokenization = Tokenization(args.stemmer, args.stopwords)
+        method = _index_method(args)
         if args.build_only:
-            retriever = cached_retriever(passages, store, tokenization)
-            print(f"drmas serve-retrieval: {len(retriever.passages)} passages of {args.corpus} indexed in {store.root}")
-            print(f"corpus hash {Retriever.corpus_hash(retriever.passages, tokenization)}", flush=True)
+            retriever = cached_retriever(passages, store, method)
+            print(
+                f"drmas serve-retrieval: {len(retriever.passages)} passages of {args.corpus} indexed "
+                f"({method.name}) in {store.root}"
+            )
+            print(f"corpus hash {corpus_hash(retriever.passages, method)}", flush=True)
             return 0
-        server = serve(passages, store, args.host, args.port, tokenization)
+        server = serve(passages, store, args.host, args.port, method)
         del passages
     except (ValueError, OSError, StoreError) as error:
         print(f"drmas serve-retrieval: {error}", file=sys.stderr)
@@ -299,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     print(
         f"drmas serve-retrieval: {server.url} serves {len(server.retriever.passages)} passages of {args.corpus} "
-        f"(corpus hash {server.corpus_hash})",
+        f"({method.name}, corpus hash {server.corpus_hash})",
         flush=True,
     )
     try:

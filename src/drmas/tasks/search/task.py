@@ -2,8 +2,9 @@
 
 A Verifier routes each turn to a Search agent, whose query is answered with the top-k
 passages (``SearchOrchestra``), or to an Answer agent; the reward is exact match
-(``drmas.tasks.search.answers``). The task retrieves in process with BM25
-(``drmas.tasks.search.retrieval``, its index cached in the store) or, when
+(``drmas.tasks.search.answers``). The task retrieves in process, with BM25
+(``drmas.tasks.search.retrieval``) or a dense encoder (``drmas.tasks.search.dense``) as
+``task.retrieval_method`` says, its index cached in the store, or, when
 ``task.retrieval_url`` is set, through a retrieval service's client
 (``drmas.tasks.search.client``). The warm start's demonstrations play each generated
 question out against the real retriever, one hop's query at a time
@@ -20,7 +21,8 @@ from drmas.tasks import DataError, Demonstrations, Split
 from drmas.tasks.search.answers import exact_match
 from drmas.tasks.search.client import RetrievalClient
 from drmas.tasks.search.corpus import corpus_for, corpus_hash_for, load_qa
-from drmas.tasks.search.retrieval import Tokenization, cached_retriever
+from drmas.tasks.search.dense import DenseEncoding
+from drmas.tasks.search.retrieval import IndexMethod, Tokenization, cached_retriever
 from drmas.tasks.search.world import GENERATED_FACTS, GENERATED_PREFIX, demonstration_queries
 from drmas.team.agents import AnswerAgent, RouterAgent, SearchAgent, verifier_context
 from drmas.team.episodes import Episode, Question
@@ -32,7 +34,14 @@ if TYPE_CHECKING:
     from drmas.config import DrmasConfig, TaskConfig
     from drmas.infra.store import Store
 
-__all__ = ["SearchOrchestra", "SearchTask", "format_passages", "retrieval_client", "search_demonstrations"]
+__all__ = [
+    "SearchOrchestra",
+    "SearchTask",
+    "format_passages",
+    "index_method",
+    "retrieval_client",
+    "search_demonstrations",
+]
 
 
 def format_passages(passages: list[Passage]) -> str:
@@ -125,27 +134,39 @@ def _demonstrated_answer(episode: Episode, rng: np.random.Generator, wrong_fract
 # --------------------------------------------------------------------------------------
 
 
+def index_method(task: TaskConfig) -> IndexMethod:
+    """How the config's corpus is indexed (``task.retrieval_method``): BM25 tokenised as
+    ``task.retrieval_stemmer``/``retrieval_stopwords`` say, or the dense encoder, loaded."""
+    if task.retrieval_method == "dense":
+        return DenseEncoding.of(task).load()
+    return Tokenization.of(task)
+
+
 def retrieval_client(config: DrmasConfig) -> RetrievalClient:
     """The client of ``task.retrieval_url`` with the config's timeout and retries, checking
-    that the service serves the corpus the config names, tokenised as it says
-    (``task.retrieval_corpus_hash`` if pinned)."""
+    that the service retrieves as the config says from the corpus it names, indexed with its
+    settings (``task.retrieval_corpus_hash`` if pinned; otherwise computed on first use,
+    which for dense retrieval loads the encoder)."""
     task = config.task
     if task.retrieval_url is None:
         raise ValueError("task.retrieval_url is not set: the search task retrieves in process")
     expected: str | Callable[[], str] = task.retrieval_corpus_hash or (
-        lambda: corpus_hash_for(config.data, config.experiment.seed, config.store, Tokenization.of(task))
+        lambda: corpus_hash_for(config.data, config.experiment.seed, config.store, index_method(task))
     )
+    settings = DenseEncoding.of(task) if task.retrieval_method == "dense" else Tokenization.of(task)
     return RetrievalClient(
         task.retrieval_url,
         timeout_s=task.retrieval_timeout_s,
         retries=task.retrieval_retries,
         backoff_s=task.retrieval_backoff_s,
         expected_hash=expected,
+        expected_method=task.retrieval_method,
+        expected_settings=settings.describe(),
     )
 
 
 class SearchTask:
-    """Questions answered from a corpus through BM25 search; reward exact match."""
+    """Questions answered from a corpus through search (BM25 or dense); reward exact match."""
 
     default_data = f"{GENERATED_PREFIX}{GENERATED_FACTS}"
     default_orchestra = "search"
@@ -154,13 +175,13 @@ class SearchTask:
         return load_qa(config.data_spec(split), split, config.data, config.experiment.seed, config.store)
 
     def tools(self, config: DrmasConfig, store: Store) -> Tools:
-        """The in-process BM25 retriever (cached in the store), or, when
-        ``task.retrieval_url`` is set, a client of that retrieval service (checked on first
-        use to serve the corpus this config names)."""
+        """The in-process retriever of ``task.retrieval_method`` (its index cached in the
+        store), or, when ``task.retrieval_url`` is set, a client of that retrieval service
+        (checked on first use to serve the corpus this config names, indexed alike)."""
         if config.task.retrieval_url:
             return Tools(retriever=retrieval_client(config))
         passages = corpus_for(config.data, config.experiment.seed, config.store)
-        return Tools(retriever=cached_retriever(passages, store, Tokenization.of(config.task)))
+        return Tools(retriever=cached_retriever(passages, store, index_method(config.task)))
 
     def corpus(self, config: DrmasConfig) -> list[str]:
         return [passage.text for passage in corpus_for(config.data, config.experiment.seed, config.store)]
