@@ -159,7 +159,17 @@ def main(argv: list[str] | None = None) -> int:
     pool_cmd = commands.add_parser("pool", help="show or free a run's pool of workers on a Ray cluster")
     pool_cmd.add_argument("action", choices=("status", "down"), help="status: its workers; down: free them")
     pool_cmd.add_argument("run", metavar="EXPERIMENT/RUN_ID", help="the run, as its folder in the store names it")
-    pool_cmd.add_argument("--address", help="the Ray cluster (default: $RAY_ADDRESS)")
+    pool_cmd.add_argument(
+        "--address",
+        help="the Ray cluster (default: $RAY_ADDRESS); from outside it, ray://127.0.0.1:10001 through "
+        "`kubectl -n drmas port-forward svc/drmas-raycluster-head-svc 10001:10001`",
+    )
+    pool_cmd.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help="a file holding the cluster's Ray token (Secret drmas-ray-token, key auth_token); default "
+        "$RAY_AUTH_TOKEN, then the file $RAY_AUTH_TOKEN_PATH names. Never printed",
+    )
     pool_cmd.set_defaults(handler=_pool)
 
     kubeflow.register(commands)
@@ -451,46 +461,101 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _pool(args: argparse.Namespace) -> int:
     """``drmas pool status|down EXPERIMENT/RUN_ID``: a run's named pool on a Ray cluster (a
-    local run's pool lives only as long as the run's own Ray)."""
+    local run's pool lives only as long as the run's own Ray), from a pod of the cluster or
+    from outside it through a port-forward of the head's Ray Client port, with the token."""
     experiment, _, run_id = args.run.partition("/")
     if not experiment or not run_id or "/" in run_id:
         return fail("pool", f"{args.run!r}: expected EXPERIMENT/RUN_ID, e.g. math-tiny/20261201-120000", 2)
     address = args.address or os.environ.get("RAY_ADDRESS")
     if not address:
         return fail("pool", "no Ray cluster to ask: pass --address or set RAY_ADDRESS", 2)
+    try:
+        token_from = _ray_token(args.token_file)
+    except ValueError as error:
+        return fail("pool", error, 2)
+    # Ray reads RAY_AUTH_MODE and the token's variables when imported: after _ray_token.
     import ray  # noqa: PLC0415
 
-    from drmas.generation.named_pool import free_pool, lease_status, pool_status  # noqa: PLC0415
+    from drmas.generation.named_pool import ClusterUnreachable, check_cluster, free_pool  # noqa: PLC0415
 
     try:
+        check_cluster(address, token_from)
         ray.init(address=address, log_to_driver=False, configure_logging=False)
-    except (ConnectionError, RuntimeError, ValueError) as error:
+    except ClusterUnreachable as error:
+        return fail("pool", error)
+    except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as error:
         return fail("pool", f"cannot join the Ray cluster at {address}: {error}")
     try:
         if args.action == "down":
             print(f"{args.run}: freed {free_pool(experiment, run_id)} worker(s)")
-            return 0
-        workers = pool_status(experiment, run_id)
-        if not workers:
-            print(f"{args.run}: no pool (never started, freed, or gone after ray.idle_timeout_s)")
-        for worker in workers:
-            fields = " ".join(
-                f"{key}={worker[key]}"
-                for key in ("version", "resident", "rank", "world", "pid", "error")
-                if key in worker
-            )
-            print(f"{worker['worker']} {fields}")
-        lease = lease_status(experiment, run_id)
-        if lease and lease["holder"]:
-            print(
-                f"{args.run}: driven by {lease['holder']} for {lease['held_s']} s "
-                f"(last heartbeat {lease['silent_s']} s ago)"
-            )
-        elif lease:
-            print(f"{args.run}: no driver now")
+        else:
+            _print_pool(args.run, experiment, run_id)
         return 0
     finally:
         ray.shutdown()
+
+
+def _ray_token(token_file: str | None) -> str | None:
+    """Where ``drmas pool``'s Ray token comes from (for messages: a flag, a variable, a path;
+    never the token), and RAY_AUTH_MODE=token set so that Ray sends it: Ray sends a token
+    only in that mode, and would otherwise be refused, after half a minute of retries, by a
+    cluster that requires one. None when no token is to be sent. ValueError when the file
+    meant to hold it does not."""
+    if not os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        os.environ.pop("RAY_AUTH_TOKEN", None)  # blank: not a token (Ray would prefer it to a file)
+    if token_file:
+        os.environ.pop("RAY_AUTH_TOKEN", None)
+        os.environ["RAY_AUTH_TOKEN_PATH"] = _token_path(token_file, "--token-file")
+        source = f"--token-file {token_file}"
+    elif os.environ.get("RAY_AUTH_TOKEN"):
+        source = "$RAY_AUTH_TOKEN"
+    elif os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        path = os.environ["RAY_AUTH_TOKEN_PATH"]
+        os.environ["RAY_AUTH_TOKEN_PATH"] = _token_path(path, "$RAY_AUTH_TOKEN_PATH")
+        source = f"$RAY_AUTH_TOKEN_PATH ({path})"
+    elif os.environ.get("RAY_AUTH_MODE") == "token":
+        default = Path.home() / ".ray" / "auth_token"
+        if not default.is_file():
+            raise ValueError(
+                "RAY_AUTH_MODE=token but no token: pass --token-file PATH or set RAY_AUTH_TOKEN "
+                f"(Ray's default file {default} does not exist)"
+            )
+        return str(default)
+    else:
+        return None
+    os.environ["RAY_AUTH_MODE"] = "token"
+    return source
+
+
+def _token_path(path: str, given_as: str) -> str:
+    """``path`` made absolute, once it is known to hold a token (not just whitespace)."""
+    file = Path(path).expanduser()
+    try:
+        empty = not file.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"{given_as} {path}: cannot read the token ({type(error).__name__})") from error
+    if empty:
+        raise ValueError(f"{given_as} {path}: the file is empty")
+    return str(file.resolve())
+
+
+def _print_pool(run: str, experiment: str, run_id: str) -> None:
+    """``drmas pool status``: each worker's line, then who drives the pool."""
+    from drmas.generation.named_pool import lease_status, pool_status  # noqa: PLC0415
+
+    workers = pool_status(experiment, run_id)
+    if not workers:
+        print(f"{run}: no pool (never started, freed, or gone after ray.idle_timeout_s)")
+    for worker in workers:
+        fields = " ".join(
+            f"{key}={worker[key]}" for key in ("version", "resident", "rank", "world", "pid", "error") if key in worker
+        )
+        print(f"{worker['worker']} {fields}")
+    lease = lease_status(experiment, run_id)
+    if lease and lease["holder"]:
+        print(f"{run}: driven by {lease['holder']} for {lease['held_s']} s (last heartbeat {lease['silent_s']} s ago)")
+    elif lease:
+        print(f"{run}: no driver now")
 
 
 def _device_memory(text: str) -> int:

@@ -16,16 +16,28 @@ Its own module because both sides need it: the driver's pool (``generation.pool`
 workers themselves (``generation.workers``, whose watchdog frees an idle pool). Its functions
 import Ray themselves: ``generation.workers`` is also imported where no Ray runs (the warm
 start's prompt truncation, the rollout's result type).
+
+An operator reaches a cluster's pools from outside it through a port-forward of the head's
+Ray Client port and the cluster's token (``check_cluster`` says what stands in the way
+before ``ray.init`` would retry for half a minute and say only "connection timeout").
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import time
+from urllib.parse import urlsplit
 
 __all__ = [
+    "CLIENT_PORT",
+    "CLUSTER_NAMESPACE",
+    "HEAD_SERVICE",
     "NAMESPACE",
+    "TOKEN_COMMAND",
+    "ClusterUnreachable",
     "PoolLease",
+    "check_cluster",
     "free_pool",
     "lease_name",
     "lease_status",
@@ -33,6 +45,7 @@ __all__ = [
     "pool_lease",
     "pool_name",
     "pool_status",
+    "port_forward_command",
     "run_workers",
     "worker_name",
 ]
@@ -40,6 +53,26 @@ __all__ = [
 
 NAMESPACE = "drmas"
 """The Ray namespace of every run's named pool workers."""
+
+HEAD_SERVICE = "drmas-raycluster-head-svc"
+"""The head's Service of the RayCluster in manifests/base, whose port 10001 is Ray Client
+and 8265 the dashboard; in the Kubernetes namespace ``CLUSTER_NAMESPACE``."""
+
+CLUSTER_NAMESPACE = "drmas"
+"""The Kubernetes namespace of the RayCluster and its Secret ``drmas-ray-token``."""
+
+CLIENT_PORT = 10001
+"""Ray Client's port on the head (KubeRay's default, and Ray's for ``ray://HOST``)."""
+
+TOKEN_COMMAND = (
+    f"kubectl -n {CLUSTER_NAMESPACE} get secret drmas-ray-token -o jsonpath='{{.data.auth_token}}' | base64 -d"
+)
+"""Prints the cluster's Ray token (the Secret the RayCluster's ``authOptions`` names)."""
+
+
+def port_forward_command(local_port: int) -> str:
+    """The command that makes the head's Ray Client port ``ray://127.0.0.1:local_port``."""
+    return f"kubectl -n {CLUSTER_NAMESPACE} port-forward svc/{HEAD_SERVICE} {local_port}:{CLIENT_PORT}"
 
 
 class _RemovedWithItsPlacementGroup(logging.Filter):
@@ -193,3 +226,96 @@ def free_pool(experiment: str, run_id: str, keep: object = None) -> int:
         ray.kill(keep, no_restart=True)
         killed += 1
     return killed
+
+
+class ClusterUnreachable(Exception):
+    """Why the Ray cluster at an address cannot be joined, said so that an operator can act."""
+
+
+def check_cluster(address: str, token_from: str | None, timeout_s: float = 10.0) -> None:
+    """Before joining the Ray cluster at ``address``, find what would stop ``ray.init``:
+    nothing listening there (raised with the port-forward that reaches a cluster from
+    outside), or, for a Ray Client address (``ray://``), a server that is not Ray Client, one
+    that wants a token and got none, or one that refused the token. ``token_from`` says where
+    the token comes from (``--token-file PATH``), None when none is sent; messages name it
+    and never the token. Ray Client itself retries for about 35 s and then says only "ray
+    client connection timeout", for a wrong token as for a closed port. An ``auto`` or
+    ``local`` address is left to ``ray.init``; so is a GCS address's token (only a pod in
+    the cluster can use one: a driver also talks to every node)."""
+    if address.startswith(("http://", "https://")):
+        raise ClusterUnreachable(
+            f"{address} is an HTTP address (the dashboard's, port 8265, serves jobs, not drivers): "
+            f"drmas pool joins as a Ray Client; {_forward_hint(CLIENT_PORT)}"
+        )
+    client = address.startswith("ray://")
+    parts = urlsplit(address if "://" in address else f"gcs://{address}")
+    try:
+        host, port = parts.hostname, parts.port or (CLIENT_PORT if client else None)
+    except ValueError as error:  # a port that is not a number
+        raise ClusterUnreachable(f"{address}: {error}") from error
+    if not host or port is None:
+        return  # auto, local: Ray's own lookup
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 in brackets
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except socket.gaierror as error:
+        raise ClusterUnreachable(
+            f"cannot resolve {host} ({error.strerror}): a cluster's Service names resolve only "
+            f"inside it; {_forward_hint(port if client else CLIENT_PORT)}"
+        ) from error
+    except OSError as error:
+        raise ClusterUnreachable(
+            f"nothing answers at {where} ({error.strerror or type(error).__name__}); "
+            f"{_forward_hint(port if client and _is_loopback(host) else CLIENT_PORT)}"
+        ) from error
+    if client:
+        _ping_ray_client(address, where, token_from, timeout_s)
+
+
+def _ping_ray_client(address: str, where: str, token_from: str | None, timeout_s: float) -> None:
+    """One PING of Ray Client over a channel made as Ray Client makes it (with Ray's token
+    interceptor when ``RAY_AUTH_MODE=token``): the server's token check answers at once."""
+    import grpc  # noqa: PLC0415
+    from ray._private.grpc_utils import init_grpc_channel  # noqa: PLC0415
+    from ray.core.generated import ray_client_pb2, ray_client_pb2_grpc  # noqa: PLC0415
+
+    channel = init_grpc_channel(where)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        ping = ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING)
+        ray_client_pb2_grpc.RayletDriverStub(channel).ClusterInfo(ping, timeout=timeout_s)
+    except grpc.FutureTimeoutError as error:
+        raise ClusterUnreachable(
+            f"{where} takes connections but no Ray Client answers there within {timeout_s:.0f} s "
+            "(a port-forward whose pod is gone, or another service's port)"
+        ) from error
+    except grpc.RpcError as error:
+        if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+            raise ClusterUnreachable(_token_refused(address, token_from)) from error
+        said = ": ".join(filter(None, (error.code().name, error.details())))
+        raise ClusterUnreachable(
+            f"{where} does not answer as Ray Client ({said}); {_forward_hint(CLIENT_PORT)}"
+        ) from error
+    finally:
+        channel.close()
+
+
+def _token_refused(address: str, token_from: str | None) -> str:
+    fetch = f"{TOKEN_COMMAND} > PATH"
+    if token_from is None:
+        return f"the Ray cluster at {address} requires a token: pass --token-file PATH ({fetch}) or set RAY_AUTH_TOKEN"
+    return (
+        f"the Ray cluster at {address} refused the token from {token_from}: it is not the cluster's "
+        f"(Secret drmas-ray-token, key auth_token: {fetch})"
+    )
+
+
+def _forward_hint(local_port: int) -> str:
+    return (
+        "from outside the cluster, forward the head's Ray Client port first, and leave it running: "
+        f"{port_forward_command(local_port)}, then pass --address ray://127.0.0.1:{local_port}"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
