@@ -248,9 +248,15 @@ def test_math_shards_read_problem_and_the_last_boxed_answer(math_folder):
     the last box (``\\fbox`` too); ``data.data_source_field: type`` reports per subject."""
     questions = _load(str(math_folder), data=DataConfig(data_source_field="type"))
     assert questions == [
-        Question("0", MATH_TRAIN[0]["problem"], (r"\sqrt{2}",), "Algebra"),
-        Question("1", MATH_TRAIN[1]["problem"], (r"\frac{1}{4}",), "Counting & Probability"),
-        Question("2", MATH_TRAIN[2]["problem"], ("3",), "Prealgebra"),
+        Question("0", MATH_TRAIN[0]["problem"], (r"\sqrt{2}",), "Algebra", MATH_TRAIN[0]["solution"].strip()),
+        Question(
+            "1",
+            MATH_TRAIN[1]["problem"],
+            (r"\frac{1}{4}",),
+            "Counting & Probability",
+            MATH_TRAIN[1]["solution"].strip(),
+        ),
+        Question("2", MATH_TRAIN[2]["problem"], ("3",), "Prealgebra", MATH_TRAIN[2]["solution"].strip()),
     ]
     [test] = _load(str(math_folder), "eval")
     assert (test.answers, test.data_source) == (("10",), "competition_math")

@@ -35,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"config"},
     "model_import": {"config", "models"},  # `drmas import-gguf`: a GGUF file -> a policy folder
     "team": {"config", "infra", "team"},
-    "tasks": {"config", "infra", "team", "registry", "tasks"},
+    "tasks": {"config", "infra", "team", "registry", "tasks", "models"},  # models: dense retrieval's encoder
     "training": {"algos", "config", "training", "infra.progress"},  # an update's progress, shown by the driver
     "generation": {"config", "infra", "models", "generation"},
     # A run's report is written at its end (stages.track: the runner's and the pipelines' last step).

@@ -347,8 +347,8 @@ def test_gsm8k_jsonl_keeps_the_number_after_the_marks(tmp_path):
     )
     questions = load_math_questions(spec, "train", DataConfig(), seed=0)
     assert questions == [
-        Question("0", "Natalia sold 48 clips...", ("72",), "gsm8k"),
-        Question("1", "Big sum?", ("1072",), "gsm8k"),
+        Question("0", "Natalia sold 48 clips...", ("72",), "gsm8k", "48 / 2 = <<48/2=24>>24\n#### 72"),
+        Question("1", "Big sum?", ("1072",), "gsm8k", "lots of work\n#### 1,072"),
     ]
 
 
@@ -371,8 +371,12 @@ def test_math_parquet_with_solutions_keeps_the_last_boxed_answer(tmp_path):
     data = DataConfig(question_field="problem", answer_field="solution")
     questions = load_math_questions(str(path), "eval", data, seed=0)
     assert questions == [
-        Question("test/algebra/1.json", "Compute $1/2$.", (r"\frac{1}{2}",), "math500"),
-        Question("test/algebra/2.json", "Solve $x+1=3$.", ("2",), "math500"),  # stem by default
+        Question(
+            "test/algebra/1.json", "Compute $1/2$.", (r"\frac{1}{2}",), "math500", r"Half is $\boxed{\frac{1}{2}}$."
+        ),
+        Question(  # data_source: the file's stem by default
+            "test/algebra/2.json", "Solve $x+1=3$.", ("2",), "math500", r"First \boxed{1}? No: $x=\boxed{2}$."
+        ),
     ]
 
 

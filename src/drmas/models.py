@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers import PreTrainedTokenizerBase as Tokenizer
 
 from drmas.config import ModelSpec, PolicyError, TemplateVariables, weights_problem
@@ -186,6 +186,20 @@ def read_gguf(gguf_path: Path, dtype: str = "float32") -> tuple[PreTrainedModel,
     model.load_state_dict(read.state_dict(), strict=True)
     model.generation_config = read.generation_config
     return model, tokenizer
+
+
+def load_encoder(source: str | Path) -> tuple[Tokenizer, PreTrainedModel, list[str]]:
+    """A text encoder (``AutoModel``, float32) and its tokenizer from a hub id or a folder,
+    through the same gate as a policy: from safetensors only and without the folder's own
+    code; with the names of the weights the files lacked (drawn at random by transformers)."""
+    folder = pretrained_folder(source)
+    with _refused_as_policy_error(source):
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+        model, loading = AutoModel.from_pretrained(
+            str(folder), dtype=torch.float32, use_safetensors=True, trust_remote_code=False, output_loading_info=True
+        )
+    model.eval()
+    return tokenizer, model, list(loading["missing_keys"])
 
 
 def pretrained_folder(source: str | Path, revision: str | None = None) -> Path:

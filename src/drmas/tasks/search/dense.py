@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from drmas.config import PolicyError
 from drmas.infra.progress import Progress
 from drmas.infra.store import Artifact, ArtifactWriter, CorruptArtifact
 from drmas.tasks.search.retrieval import INDEX_DIR, corpus_hash, read_passages, write_passages
@@ -117,32 +118,24 @@ class DenseEncoding:
         """The encoder (a hub id: through the Hugging Face cache, downloaded when missing and
         the hub is reachable), in float32 on ``device``; EncoderError naming it if it cannot
         be loaded, holds pickled weights only, or leaves weights the encoding uses at random."""
-        import torch  # noqa: PLC0415 (only dense retrieval loads torch and transformers)
-        from transformers import AutoModel, AutoTokenizer  # noqa: PLC0415
+        from drmas.models import load_encoder  # noqa: PLC0415 (only dense retrieval loads torch and transformers)
 
         where = f"task.retrieval_encoder {self.encoder!r}"
         try:
-            tokenizer = AutoTokenizer.from_pretrained(self.encoder, trust_remote_code=False)
-            model, loading = AutoModel.from_pretrained(
-                self.encoder,
-                dtype=torch.float32,
-                use_safetensors=True,
-                trust_remote_code=False,
-                output_loading_info=True,
-            )
-        except (OSError, ValueError, KeyError, RuntimeError) as error:
+            tokenizer, model, missing_keys = load_encoder(self.encoder)
+        except (PolicyError, OSError, ValueError) as error:
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise EncoderError(f"{where}: not a loadable encoder ({reason})") from None
         # A pooler head is unused by mean pooling; any other missing weight would be drawn at
         # random on each load, and the index would mean nothing.
-        missing = sorted(key for key in loading["missing_keys"] if "pooler" not in key)
+        missing = sorted(key for key in missing_keys if "pooler" not in key)
         if missing:
             raise EncoderError(
                 f"{where}: its weights lack {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
             )
         model.eval()
         model.to(device)
-        skipped = set(loading["missing_keys"])
+        skipped = set(missing_keys)
         return Encoder(self, model, tokenizer, _fingerprint(model, tokenizer, skipped), device)
 
 
