@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +29,7 @@ from drmas.models import load_model, load_tokenizer
 from drmas.stages.policies import init_policies
 from drmas.tasks import Question
 from drmas.team.episodes import Call, Episode, episodes_to_table
+from drmas.team.orchestras import Passage
 from drmas.training.batching import collate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,3 +252,22 @@ def via_kfp_local(tmp_path: Path, settings: list[str], *args: str) -> str:
     assert done.returncode == 0, console[-6000:]
     [log] = re.findall(r"^kfp.local's log: (.+)$", console, re.M)
     return console + LOG_MARK + (tmp_path / log).read_text()
+
+
+@contextmanager
+def running(server: ThreadingHTTPServer) -> Iterator[ThreadingHTTPServer]:
+    """``server`` answering in a thread of the test until the block ends."""
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def write_corpus(path: Path, passages: list[Passage]) -> Path:
+    """``passages`` as a JSONL corpus file (one {"id", "text"} a line) at ``path``."""
+    path.write_text("".join(json.dumps({"id": p.pid, "text": p.text}) + "\n" for p in passages))
+    return path

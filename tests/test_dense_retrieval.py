@@ -16,14 +16,12 @@ import json
 import logging
 import re
 import shutil
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import running, write_corpus
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
@@ -33,7 +31,7 @@ from drmas.infra.store import Store
 from drmas.tasks.search.client import RetrievalClient, RetrievalMismatch
 from drmas.tasks.search.dense import QUERY_BATCH, DenseEncoding, DenseRetriever, Encoder, EncoderError
 from drmas.tasks.search.retrieval import Retriever, cached_retriever
-from drmas.tasks.search.service import RetrievalServer, main, serve
+from drmas.tasks.search.service import main, serve
 from drmas.tasks.search.task import SearchTask, retrieval_client
 from drmas.tasks.search.world import generate_fact_world
 from drmas.team.orchestras import Passage
@@ -95,22 +93,7 @@ def encoder(folders: dict[str, Path]) -> Encoder:
 
 @pytest.fixture(scope="module")
 def corpus_file(passages: list[Passage], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
-    path.write_text("".join(json.dumps({"id": p.pid, "text": p.text}) + "\n" for p in passages))
-    return path
-
-
-@contextmanager
-def running(server: RetrievalServer) -> Iterator[RetrievalServer]:
-    """``server`` answering in a thread of the test until the block ends."""
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.jsonl", passages)
 
 
 def dense_config(tmp_path: Path, folder: Path, corpus_file: Path, *overrides: str):

@@ -23,13 +23,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import free_port
+from helpers import free_port, running, write_corpus
 
 from drmas.config import ConfigError, DrmasConfig, load_config
 from drmas.generation.workers import GenerationResult
@@ -59,11 +58,6 @@ QUERIES = [
 ]
 
 
-def write_corpus(path: Path, passages: list[Passage]) -> Path:
-    path.write_text("".join(json.dumps({"id": p.pid, "text": p.text}) + "\n" for p in passages))
-    return path
-
-
 @pytest.fixture(scope="module")
 def passages() -> list[Passage]:
     return generate_fact_world(SEED, entities=30)[0]
@@ -72,19 +66,6 @@ def passages() -> list[Passage]:
 @pytest.fixture(scope="module")
 def corpus_file(passages: list[Passage], tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.jsonl", passages)
-
-
-@contextmanager
-def running(server: ThreadingHTTPServer) -> Iterator[ThreadingHTTPServer]:
-    """``server`` answering in a thread of the test until the block ends."""
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 @pytest.fixture
