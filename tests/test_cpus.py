@@ -40,3 +40,25 @@ def test_threads_follow_the_process_cgroup_and_omp_num_threads_still_wins(tmp_pa
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert cpus.cpu_threads() == 3
     assert cpus.cpu_threads(environment=False) == 2  # a Ray actor: Ray's OMP_NUM_THREADS=1 is not the pod's
+
+
+def test_a_pool_actor_shares_its_nodes_cpus_among_the_slots_it_advertises(monkeypatch):
+    """A KubeRay pod with all of a node's 8 GPUs runs 8 slots' workers: each takes an eighth
+    of the pod's CPUs (at least one), not all of them. (Ray's node table is a stand-in here:
+    tests/test_rollout.py runs the real one on a local Ray.)"""
+    import types
+
+    import ray
+
+    from drmas.generation import workers
+
+    monkeypatch.setattr(workers, "cpu_threads", lambda environment=True: 128)
+    context = types.SimpleNamespace(get_node_id=lambda: "b")
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: context)
+    nodes = [{"NodeID": "a", "Resources": {"GPU": 4.0}}, {"NodeID": "b", "Resources": {"GPU": 8.0, "CPU": 128.0}}]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    assert workers.slot_threads("GPU") == 16
+    assert workers.slot_threads("pool_slot") == 128  # a node that advertises none: one slot
+    assert workers.slot_threads(None) == 128
+    nodes[1]["Resources"]["GPU"] = 256.0
+    assert workers.slot_threads("GPU") == 1

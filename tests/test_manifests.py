@@ -1054,7 +1054,46 @@ def _ephemeral_storage_limit(docs: list[dict]) -> None:
     }
 
 
+def _worker_resources(docs: list[dict]) -> dict:
+    return _worker(docs)["template"]["spec"]["containers"][0]["resources"]
+
+
+def _worker_pod_of_96gi(docs: list[dict]) -> None:
+    _worker_resources(docs)["limits"]["memory"] = "96Gi"
+
+
+def _worker_pod_without_disk(docs: list[dict]) -> None:
+    del _worker_resources(docs)["requests"]["ephemeral-storage"]
+
+
+def _worker_pod_with_small_shm(docs: list[dict]) -> None:
+    (dshm,) = [v for v in _worker(docs)["template"]["spec"]["volumes"] if v["name"] == "dshm"]
+    dshm["emptyDir"]["sizeLimit"] = "8Gi"
+
+
+def _worker_pod_of_4_gpus_with_less_than_host_memory_gb(docs: list[dict]) -> None:
+    """4 GPUs and 790Gi: what the search plan needs on 4 GPUs (788Gi), but less than 4 x the
+    recipes' ray.host_memory_gb of 214 GB (797Gi)."""
+    resources = _worker_resources(docs)
+    for side in ("requests", "limits"):
+        resources[side]["nvidia.com/gpu"] = "4"
+        resources[side]["memory"] = "790Gi"
+
+
 BREAKAGES: dict[str, tuple[Callable[[list[dict]], None], str]] = {
+    "GPU worker pod with less memory than the plan": (
+        _worker_pod_of_96gi,
+        "gpu/ray-worker: memory limit 96Gi is less than search_qwen25_7b_gpu.yaml needs on a pod of 8 GPU(s)",
+    ),
+    "GPU worker pod without ephemeral storage": (
+        _worker_pod_without_disk,
+        "gpu/ray-worker: ephemeral-storage request not set is less than math_qwen3_4b_gpu.yaml needs",
+    ),
+    "GPU worker pod with a small /dev/shm": (_worker_pod_with_small_shm, "/dev/shm sizeLimit 8Gi is less than"),
+    "GPU worker pod with less than ray.host_memory_gb per GPU": (
+        _worker_pod_of_4_gpus_with_less_than_host_memory_gb,
+        "says each slot has ray.host_memory_gb 214, more than the pod's memory limit 790Gi over its 4 GPU(s)",
+    ),
     "pipeline pods ask for no ephemeral storage": (
         _no_ephemeral_storage_request,
         "pipeline namespace kubeflow: no default ephemeral-storage request",

@@ -17,7 +17,16 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from drmas.cli import main
 from drmas.config import load_config
-from drmas.planning import GB, KNOWN_ARCHITECTURES, Architecture, PlanError, architecture_of, parse_size, plan_memory
+from drmas.planning import (
+    GB,
+    KNOWN_ARCHITECTURES,
+    RAY_LOG_BYTES,
+    Architecture,
+    PlanError,
+    architecture_of,
+    parse_size,
+    plan_memory,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MATH_RECIPE = str(ROOT / "configs" / "math_qwen3_4b_gpu.yaml")
@@ -288,7 +297,7 @@ def test_an_oversized_config_is_refused_with_the_numbers(capsys, tmp_path):
 
 
 def test_no_device_memory_means_no_check_and_an_unknown_verdict(capsys):
-    assert main(["plan", MATH_RECIPE, *OVERSIZED, "ray.device_memory_gb=null"]) == 0
+    assert main(["plan", MATH_RECIPE, *OVERSIZED, "ray.device_memory_gb=null", "ray.host_memory_gb=null"]) == 0
     assert "fits: unknown" in capsys.readouterr().out
 
 
@@ -298,7 +307,7 @@ def test_the_plan_command_prints_the_table_and_exits_by_the_verdict(capsys):
     assert "4 slot(s) of 80.0 GB; ZeRO-2 with optimizer offload" in out
     assert "device per slot: rollout peak 42.0 GB, update peak 47.3 GB" in out
     assert "host per slot: peak 79.9 GB at rollout; between updates 79.9 GB, of which 4 processes 8.0 GB" in out
-    assert "fits in 80.0 GB of device memory\nnot checked: host (set ray.host_memory_gb)" in out
+    assert "fits in 80.0 GB of device memory and 214.0 GB of host memory\n" in out
     rows = ("engine weights", "KV cache", "activations, checkpointing", "activations, none", "logits", "hand-over peak")
     for row in (*rows, "training state kept", "engine weights kept", "model load (cold update)", "host at cold update"):
         assert row in out
@@ -313,6 +322,36 @@ def test_the_plan_command_writes_json(capsys):
     assert [group["name"] for group in plan["groups"]] == ["verifier", "search", "answer"]
     assert plan["groups"][0]["params"] == 7_615_616_512
     assert plan["update_peak"] == plan["groups"][0]["update_peak"]
+
+
+def test_a_worker_pod_holds_every_slots_host_peak_and_shm_and_its_disk(capsys):
+    """Issue 28 §6: the KubeRay worker pods are sized from the plan, one pod per node with
+    all its GPUs. Its disk holds every group's policy cache (the version held and the next
+    one) once per node and every slot's update folder (the policy in and out, and a rank's
+    optimizer shard read, a neighbour's when it reshards, and written)."""
+    plan = plan_memory(load_config(SEARCH_RECIPE))
+    pod = plan.pod(8)
+    assert (pod.memory, pod.shm) == (8 * plan.host_peak, 8 * plan.shm)
+    group = plan.groups[0]
+    shard = -(-group.params * 12 // 4)  # bf16: two fp32 moments and the fp32 master, over 4 ranks
+    assert group.update_disk == 2 * group.engine_weights + 3 * shard
+    assert group.engine_disk == 2 * group.engine_weights
+    assert pod.disk == 3 * group.engine_disk + 8 * group.update_disk + RAY_LOG_BYTES
+    lora = plan_memory(load_config(MATH_RECIPE, ["models.qwen3-4b.lora.rank=16"])).groups[0]
+    assert lora.engine_disk == 3 * lora.engine_weights  # the base and the merged weights beside the adapter
+
+    assert main(["plan", SEARCH_RECIPE, "--gpus-per-node", "4"]) == 0
+    four = plan.pod(4)
+    expected = f"memory {-(-four.memory // 2**30)}Gi, /dev/shm {-(-four.shm // 2**30)}Gi, ephemeral-storage"
+    assert f"KubeRay worker pod of 4 GPU(s), one per node: {expected}" in capsys.readouterr().out
+    assert main(["plan", SEARCH_RECIPE, "-o", "json", "--gpus-per-node", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["pod"] == {
+        "gpus": 2,
+        **{k: getattr(plan.pod(2), k) for k in ("memory", "shm", "disk")},
+    }
+    with pytest.raises(SystemExit) as stopped:
+        main(["plan", SEARCH_RECIPE, "--gpus-per-node", "0"])
+    assert stopped.value.code == 2 and "'0' is not a whole number of at least 1" in capsys.readouterr().err
 
 
 def test_a_bad_device_memory_is_a_usage_error(capsys):
@@ -338,17 +377,22 @@ def test_a_streamed_optimizer_save_and_restore_hold_copies_of_the_largest_tensor
         assert (group.save_host, group.restore_host) == (3 * 151936 * 2560 * 4, 2 * 151936 * 2560 * 4)
 
 
-def test_a_cold_update_loads_the_whole_model_on_the_host_of_every_slot():
-    """Before ZeRO-3 partitions it, the model is whole on every rank's host: the cold update's
-    host phase counts it, while the update from kept state does not."""
-    plan = plan_memory(load_config(MATH_RECIPE, ["train.zero_stage=3", "train.offload_optimizer=false"]))
-    group = plan.groups[0]
-    assert group.load_host == group.params * 2
+def test_a_cold_update_loads_the_model_on_the_host_of_every_slot():
+    """ZeRO 0-2 load the whole model on every rank's host before the engine moves it; ZeRO-3
+    loads it partitioned from the start, holding one tensor's rows at a time on the host,
+    unless the KL term's reference model is loaded whole beside it. The cold update's host
+    phase counts the load, while the update from kept state does not."""
+    for stage in (2, 3):
+        plan = plan_memory(load_config(MATH_RECIPE, [f"train.zero_stage={stage}", "train.offload_optimizer=false"]))
+        group = plan.groups[0]
+        assert group.load_host == (group.largest_param if stage == 3 else group.params) * 2
+        phases = plan.host_phases()
+        assert phases["cold update solver"] - phases["update solver"] == (
+            group.load_host + group.restore_host - group.handover_host - group.save_host
+        )
     assert group.train_params == group.params * 2 // 4  # partitioned over the 4 slots on the device
-    phases = plan.host_phases()
-    assert phases["cold update solver"] - phases["update solver"] == (
-        group.load_host + group.restore_host - group.handover_host - group.save_host
-    )
+    with_reference = plan_memory(load_config(MATH_RECIPE, ["train.zero_stage=3", "algorithm.kl_coef=0.001"]))
+    assert with_reference.groups[0].load_host == group.params * 2
 
 
 def test_the_offloaded_optimizer_stays_on_the_host_while_its_group_trains():

@@ -132,3 +132,24 @@ def test_a_pool_the_cluster_cannot_grant_says_so_and_leaves_nothing(local_ray, t
     assert named_placement_group(pool_name("lease-test", "cold")) is None
     assert lease_status("lease-test", "cold")["holder"] is None
     free_pool("lease-test", "cold")
+
+
+def test_a_worker_keeps_only_the_policy_version_it_holds_in_its_cache(tmp_path):
+    """Pod disk sizing (issue 28 §6): the policy cache would keep every version ever loaded
+    on a node. After a load only the version held is left of the worker's group; another
+    group's versions and a download in progress (``.tmp-``) are not its to remove."""
+    config = load_config(CONFIGS / "math_tiny.yaml", [*SMALL, f"store.root={tmp_path / 'store'}"])
+    store = Store.from_config(config.store)
+    policies = init_policies(config, store, "run")
+    cache = tmp_path / "cache"
+    worker = WorkerGroupRuntime("solver", store.settings(), cache_dir=str(cache), cache_scope="pool-a", threads=1)
+    worker.load_policy(policies["solver"])
+    (first,) = (cache / "pool-a").iterdir()
+    others = [cache / "pool-a" / "verifier-0123456789abcdef", cache / "pool-a" / f"{first.name}.tmp-42"]
+    for folder in others:
+        folder.mkdir()
+    worker.load_policy(policies["verifier"])
+    held = cache / "pool-a" / f"solver-{worker.version}"
+    assert worker.version is not None and held.name != first.name
+    assert sorted((cache / "pool-a").iterdir()) == sorted([held, *others])
+    assert (held / "config.json").is_file()

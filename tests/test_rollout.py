@@ -313,7 +313,8 @@ def test_a_runs_pool_outlives_its_stage_and_frees_itself_when_idle(local_ray, tm
 def test_on_a_cluster_each_worker_takes_its_own_containers_threads(local_ray, tmp_path):
     """With ``ray.address`` set the driver's pod knows nothing of the workers' pods: each
     worker sets its torch threads from its own container's CPUs, not from the driver's and
-    not from the ``OMP_NUM_THREADS=1`` Ray puts in an actor that asks for no CPU."""
+    not from the ``OMP_NUM_THREADS=1`` Ray puts in an actor that asks for no CPU, shared
+    among the pool slots its node advertises (a pod with all of a node's GPUs)."""
     import ray
 
     from drmas.infra.cpus import cpu_threads
@@ -334,5 +335,7 @@ def test_on_a_cluster_each_worker_takes_its_own_containers_threads(local_ray, tm
             for workers in pool.workers.values()
             for worker in workers
         ]
-    assert seen and all(threads == cpu_threads(environment=False) for threads, _ in seen), seen
+    (node,) = ray.nodes()
+    slots = round(node["Resources"][config.ray.pool_resource])
+    assert seen and all(threads == max(1, cpu_threads(environment=False) // slots) for threads, _ in seen), seen
     assert {omp for _, omp in seen} == {"1"}  # what Ray set, and the workers did not follow

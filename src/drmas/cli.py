@@ -152,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         help="memory of one accelerator, e.g. 80GB (10^9 bytes) or 80GiB (default: ray.device_memory_gb)",
     )
     plan_cmd.add_argument(
+        "--gpus-per-node",
+        metavar="N",
+        type=_positive_int,
+        default=8,
+        help="GPUs of a KubeRay worker pod (one per node, all its GPUs), which the plan sizes (default: 8)",
+    )
+    plan_cmd.add_argument(
         "-o", "--output", choices=("text", "json"), default="text", help="a table (default) or JSON, bytes"
     )
     plan_cmd.set_defaults(handler=_plan)
@@ -558,6 +565,13 @@ def _print_pool(run: str, experiment: str, run_id: str) -> None:
         print(f"{run}: no driver now")
 
 
+def _positive_int(text: str) -> int:
+    """A count of at least 1; anything else is a usage error naming the text."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
 def _device_memory(text: str) -> int:
     """--device-memory as bytes; a bad size is a usage error naming the text."""
     from drmas.planning import PlanError, parse_size  # noqa: PLC0415
@@ -579,7 +593,8 @@ def _plan(args: argparse.Namespace) -> int:
         plan = plan_memory(config, args.device_memory)
     except PlanError as error:
         return fail("plan", error, 2)
-    print(json.dumps(plan.to_dict(), indent=2) if args.output == "json" else plan.text())
+    gpus = args.gpus_per_node
+    print(json.dumps(plan.to_dict(gpus), indent=2) if args.output == "json" else plan.text(gpus))
     return 1 if plan.fits is False else 0
 
 

@@ -47,11 +47,13 @@ from drmas.generation.engines.sglang import MEM_FRACTION_STATIC, PUSH_BUCKET_BYT
 
 __all__ = [
     "DEEPSPEED_REDUCE_BUCKET",
+    "RAY_LOG_BYTES",
     "KNOWN_ARCHITECTURES",
     "Architecture",
     "GroupPlan",
     "MemoryPlan",
     "PlanError",
+    "PodSize",
     "architecture_of",
     "parse_size",
     "plan_memory",
@@ -89,6 +91,8 @@ config.py:384-386), ZeRO-3 once (stage3.py:780-784)."""
 DEEPSPEED_MAX_LIVE_PARAMETERS = 1_000_000_000
 """The most parameters ZeRO-3 keeps gathered whole at once (``stage3_max_live_parameters``,
 config.py:245)."""
+RAY_LOG_BYTES = 10 * GB
+"""Disk for Ray's logs in a worker pod (/tmp/ray): an allowance, not measured."""
 SAVE_TENSOR_COPIES = 3
 """Host copies of one parameter's fp32 state counted while the optimizer state is saved
 (``drmas.training.state.write_state``). The code holds two: the tensor being written and
@@ -363,6 +367,15 @@ class GroupPlan:
     restore_host: int
     """A streamed restore's host copies (``RESTORE_TENSOR_COPIES`` x the largest parameter's
     fp32 state); the moments it fills are counted where they live."""
+    engine_disk: int
+    """The engine's policy cache on the node's disk, which the group's workers there share:
+    the version it holds and the next one while it downloads (the worker prunes the rest),
+    and a LoRA group's base and merged weights."""
+    update_disk: int
+    """An update's temporary folder on its slot: the policy downloaded (with a LoRA policy's
+    base or the KL reference), the optimizer state read back (this rank's shard, or the two
+    a resume at another number of ranks overlaps), and before the upload the new policy
+    (rank 0) and the rank's own shard of the optimizer state."""
 
     @property
     def engine(self) -> int:
@@ -413,6 +426,20 @@ class GroupPlan:
     def training_host(self) -> int:
         """What stays on the host while the group trains: the offloaded optimizer."""
         return self.optimizer_host + self.offload_buffers_host
+
+
+@dataclass(frozen=True)
+class PodSize:
+    """What a KubeRay GPU worker pod needs (``MemoryPlan.pod``); bytes."""
+
+    gpus: int
+    memory: int
+    shm: int
+    disk: int
+
+    def resources(self) -> dict[str, str]:
+        """The figures as Kubernetes quantities, rounded up to whole GiB."""
+        return {"memory": _gib(self.memory), "/dev/shm": _gib(self.shm), "ephemeral-storage": _gib(self.disk)}
 
 
 @dataclass(frozen=True)
@@ -474,12 +501,22 @@ class MemoryPlan:
     def host_peak(self) -> int:
         return max(self.host_phases().values())
 
+    def pod(self, gpus: int) -> PodSize:
+        """A KubeRay GPU worker pod of ``gpus`` slots (one pod per node, with all its GPUs, so
+        that an update's collectives use the node's GPU links): every slot's host peak (the
+        memory-backed /dev/shm counts in the pod's memory), every slot's /dev/shm peak, and
+        on its disk every group's policy cache (shared by the node's workers), every slot's
+        update folder and Ray's logs."""
+        disk = sum(group.engine_disk for group in self.groups) + gpus * max(g.update_disk for g in self.groups)
+        return PodSize(gpus, gpus * self.host_peak, gpus * self.shm, disk + RAY_LOG_BYTES)
+
     @property
     def fits(self) -> bool | None:
         """None without a device or host memory to compare with."""
         return None if self.device_memory is None and self.host_memory is None else not self.problems
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, pod_gpus: int = 8) -> dict[str, Any]:
+        """The plan, bytes; ``pod``: a worker pod of ``pod_gpus`` GPUs."""
         return {
             **{key: value for key, value in asdict(self).items() if key != "groups"},
             "rollout_peak": self.rollout_peak,
@@ -488,15 +525,17 @@ class MemoryPlan:
             "host_peak": self.host_peak,
             "shm": self.shm,
             "fits": self.fits,
+            "pod": asdict(self.pod(pod_gpus)),
             "groups": [
                 {**asdict(group), "update_peak": group.update_peak, "handover_peak": group.handover_peak}
                 for group in self.groups
             ],
         }
 
-    def text(self) -> str:
-        """The plan as a table: one column per worker group, GB."""
-        return _render(self)
+    def text(self, pod_gpus: int = 8) -> str:
+        """The plan as a table: one column per worker group, GB; then the peaks, what a
+        worker pod of ``pod_gpus`` GPUs needs, and the verdict."""
+        return _render(self, pod_gpus)
 
 
 def plan_memory(config: DrmasConfig, device_memory: int | None = None, host_memory: int | None = None) -> MemoryPlan:
@@ -593,9 +632,19 @@ def _group_plan(config: DrmasConfig, group: WorkerGroup, device_memory: int | No
         engine_host=weights,
         load_host=weights,
         handover_host=weights if stage >= 3 else 0,
+        engine_disk=weights * (3 if lora is not None else 2),
+        update_disk=weights * (3 if reference or lora is not None else 2)
+        + 3 * _state_shard(config, group, params, adapters),
         save_host=SAVE_TENSOR_COPIES * fp32_state,
         restore_host=RESTORE_TENSOR_COPIES * fp32_state,
     )
+
+
+def _state_shard(config: DrmasConfig, group: WorkerGroup, params: int, adapters: int) -> int:
+    """One rank's shard of the saved optimizer state: Adam's two fp32 moments of every
+    trainable parameter, and a bf16 group's fp32 master weights (``TrainEngine.state_stream``)."""
+    bf16 = group.spec is not None and group.spec.dtype == "bfloat16"
+    return _ceil_div((adapters or params) * (12 if bf16 else 8), config.ray.pool_size)
 
 
 def _reduce_bucket(config: DrmasConfig, dtype_bytes: int) -> int:
@@ -830,11 +879,21 @@ def _gb(value: int) -> str:
     return f"{value / GB:.1f} GB" if value >= GB // 10 or value == 0 else f"{value / 10**6:.1f} MB"
 
 
+def _pod_line(pod: PodSize) -> str:
+    figures = ", ".join(f"{name} {quantity}" for name, quantity in pod.resources().items())
+    return f"KubeRay worker pod of {pod.gpus} GPU(s), one per node: {figures} (manifests/base/raycluster.yaml)"
+
+
+def _gib(value: int) -> str:
+    """Bytes as a Kubernetes quantity of whole GiB, rounded up."""
+    return f"{_ceil_div(value, 2**30)}Gi"
+
+
 def _count(params: int) -> str:
     return f"{params / 1e9:.2f}B" if params >= 10**9 else f"{params / 1e6:.2f}M"
 
 
-def _render(plan: MemoryPlan) -> str:
+def _render(plan: MemoryPlan, pod_gpus: int) -> str:
     """Rows of items, one column per worker group (GB); then the peaks and the verdict."""
     groups = plan.groups
     phases = plan.host_phases()
@@ -876,6 +935,9 @@ def _render(plan: MemoryPlan) -> str:
         ("optimizer save, restore", [f"{_gb(g.save_host)}, {_gb(g.restore_host)}" for g in groups]),
         ("host at update", [_gb(phases[f"update {g.name}"]) for g in groups]),
         ("host at cold update", [_gb(phases[f"cold update {g.name}"]) for g in groups]),
+        ("DISK", ["" for _ in groups]),
+        ("policy cache (per node)", [_gb(g.engine_disk) for g in groups]),
+        ("update folder (per slot)", [_gb(g.update_disk) for g in groups]),
     ]
     names = [g.name for g in groups]
     label_width = max(len(label) for label, _ in rows)
@@ -918,6 +980,7 @@ def _render(plan: MemoryPlan) -> str:
             f"{_gb(plan.host_between_phases)}, of which {plan.processes} processes "
             f"{_gb(plan.processes * HOST_PROCESS_BYTES)} and Ray's /dev/shm {_gb(SHM_ALLOWANCE_BYTES)}; "
             f"/dev/shm at its peak {_gb(plan.shm)}",
+            _pod_line(plan.pod(pod_gpus)),
             verdict,
             *([f"not checked: {', '.join(unchecked)}"] if unchecked else []),
         ]

@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from fnmatch import fnmatch
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import jsonschema
@@ -52,6 +53,9 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
+
+if TYPE_CHECKING:
+    from drmas.planning import MemoryPlan
 
 from drmas_kfp.pipelines.platform import (
     MLFLOW_AUTH_KEYS,
@@ -1148,6 +1152,92 @@ def ephemeral_storage_problems(docs: list[dict]) -> list[str]:
     return found
 
 
+GPU_RECIPES = tuple(sorted((ROOT / "configs").glob("*_gpu.yaml")))
+"""The recipes the GPU pool is for: its worker pods must hold each one's memory plan."""
+QUANTITY = re.compile(r"(\d+(?:\.\d+)?)([KMGTP]i?)?")
+
+
+def quantity_bytes(text: object) -> int | None:
+    """A Kubernetes memory or storage quantity ('1600Gi', '512Mi', '2G', '1000') in bytes;
+    None for anything else."""
+    match = QUANTITY.fullmatch(str(text))
+    if match is None:
+        return None
+    unit = match[2] or ""
+    power = "KMGTP".index(unit[0]) + 1 if unit else 0
+    return round(float(match[1]) * (1024 if unit.endswith("i") else 1000) ** power)
+
+
+@cache
+def recipe_plans() -> tuple[tuple[str, MemoryPlan], ...]:
+    """(recipe, its memory plan) for every GPU recipe."""
+    from drmas.config import load_config  # noqa: PLC0415 - seconds to import: only when a cluster is checked
+    from drmas.planning import plan_memory  # noqa: PLC0415
+
+    return tuple((path.name, plan_memory(load_config(path))) for path in GPU_RECIPES)
+
+
+def pod_sizing_problems(docs: list[dict]) -> list[str]:
+    """Each RayCluster GPU worker pod is sized from the recipes' memory plans
+    (``drmas plan --gpus-per-node N``, ``MemoryPlan.pod``): memory (request and limit),
+    its memory-backed /dev/shm and its ephemeral storage hold what every recipe needs on a
+    pod of that many GPUs, and a recipe's ``ray.host_memory_gb`` is at most the pod's
+    memory per GPU (the plan refuses configs against that figure)."""
+    found = []
+    for doc in find(docs, "RayCluster"):
+        for group in doc.get("spec", {}).get("workerGroupSpecs", []):
+            where = f"RayCluster/{doc['metadata']['name']}/{group.get('groupName')}"
+            template = group.get("template", {})
+            for container in template.get("spec", {}).get("containers", []):
+                gpus = int((container.get("resources", {}).get("limits") or {}).get("nvidia.com/gpu", 0))
+                if gpus:
+                    found += _pod_size_problems(f"{where}/{container.get('name')}", template, container, gpus)
+    return found
+
+
+def _pod_size_problems(where: str, template: dict, container: dict, gpus: int) -> list[str]:
+    resources = container.get("resources", {})
+    shm = next(
+        (
+            volume.get("emptyDir", {}).get("sizeLimit")
+            for volume in template.get("spec", {}).get("volumes", [])
+            for mount in container.get("volumeMounts", [])
+            if mount.get("mountPath") == "/dev/shm" and mount.get("name") == volume.get("name")
+        ),
+        None,
+    )
+    given = {
+        "memory request": resources.get("requests", {}).get("memory"),
+        "memory limit": resources.get("limits", {}).get("memory"),
+        "/dev/shm sizeLimit": shm,
+        "ephemeral-storage request": resources.get("requests", {}).get("ephemeral-storage"),
+    }
+    found = []
+    for recipe, plan in recipe_plans():
+        pod = plan.pod(gpus)
+        needs = {
+            "memory request": pod.memory,
+            "memory limit": pod.memory,
+            "/dev/shm sizeLimit": pod.shm,
+            "ephemeral-storage request": pod.disk,
+        }
+        for item, need in needs.items():
+            have = quantity_bytes(given[item])
+            if have is None or have < need:
+                found.append(
+                    f"{where}: {item} {given[item] or 'not set'} is less than {recipe} needs on a pod of {gpus} GPU(s) "
+                    f"({pod.resources()}; drmas plan configs/{recipe} --gpus-per-node {gpus})"
+                )
+        host = plan.host_memory
+        limit = quantity_bytes(given["memory limit"])
+        if host is not None and limit is not None and host * gpus > limit:
+            found.append(
+                f"{where}: {recipe} says each slot has ray.host_memory_gb {host / 10**9:g}, more than the "
+                f"pod's memory limit {given['memory limit']} over its {gpus} GPU(s)"
+            )
+    return found
+
+
 def duplicate_problems(docs: list[dict]) -> list[str]:
     keys = [key(doc) for doc in docs]
     return [f"{k}: defined twice" for k in sorted(set(keys), key=str) if keys.count(k) > 1]
@@ -1170,6 +1260,7 @@ def problems(docs: list[dict]) -> list[str]:
         + service_name_problems(docs)
         + retrieval_problems(docs)
         + ephemeral_storage_problems(docs)
+        + pod_sizing_problems(docs)
     )
 
 

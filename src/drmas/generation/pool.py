@@ -296,6 +296,8 @@ class RayPool:
             chat_template_kwargs=group.chat_template_kwargs,
             system_prompt=group.system_prompt,
             cache_dir=self.cache_dir,
+            cache_scope=self.prefix,
+            slot_resource=self.config.ray.pool_resource,
             threads=max(1, self.threads // len(self.slots[wg])) if self.threads else None,
             relay=True,
         )

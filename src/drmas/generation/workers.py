@@ -20,6 +20,7 @@ import datetime
 import gc
 import hashlib
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -48,9 +49,26 @@ __all__ = [
     "PolicyMismatch",
     "PolicyNotLoaded",
     "WorkerGroupRuntime",
+    "slot_threads",
     "stop_token_ids",
     "truncate_prompt",
 ]
+
+
+def slot_threads(slot_resource: str | None) -> int:
+    """The torch threads of a pool actor told no count: its container's CPUs (on a cluster
+    its pod's limit, which the driver's pod cannot know; not the ``OMP_NUM_THREADS=1`` Ray
+    sets in an actor that asks for no CPU), divided among the pool slots its node
+    advertises (``slot_resource``): a pod with all of a node's 8 GPUs runs 8 slots' workers,
+    whose offloaded optimizer steps would otherwise each take every core."""
+    cpus = cpu_threads(environment=False)
+    if slot_resource is None:
+        return cpus
+    import ray  # noqa: PLC0415 - only inside an actor
+
+    node = ray.get_runtime_context().get_node_id()
+    slots = next((n["Resources"].get(slot_resource, 1.0) for n in ray.nodes() if n["NodeID"] == node), 1.0)
+    return max(1, cpus // max(1, round(slots)))
 
 
 @dataclass(frozen=True)
@@ -86,6 +104,8 @@ class WorkerGroupRuntime:
         dtype: str = "float32",
         max_prompt_tokens: int = 1024,
         cache_dir: str | None = None,
+        cache_scope: str = "",
+        slot_resource: str | None = None,
         threads: int | None = None,
         truncation: Literal["middle", "left"] = "middle",
         chat_template_kwargs: TemplateVariables | None = None,
@@ -93,16 +113,17 @@ class WorkerGroupRuntime:
         relay: bool = False,
     ) -> None:
         """``relay``: this runtime is a pool's actor, whose output nobody watches: the
-        progress of its work is kept for ``progress()`` (the pool shows it on its console)."""
+        progress of its work is kept for ``progress()`` (the pool shows it on its console).
+        ``cache_scope``: a folder of the policy cache that only this pool's workers use (its
+        name), so that pruning it never removes what another pool's engine reads.
+        ``slot_resource``: the Ray resource of a pool slot, by which a pool actor told no
+        thread count shares its node's CPUs (``slot_threads``)."""
         if relay:
             relay_progress()
         if threads or relay:
             import torch  # noqa: PLC0415 - only where a runtime is made: the rollout driver never needs it
 
-            # A pool actor told no count reads its own container's CPU limit (on a cluster
-            # its pod's, which the driver's pod cannot know), not the OMP_NUM_THREADS=1 that
-            # Ray sets in an actor that asks for no CPU.
-            torch.set_num_threads(threads or cpu_threads(environment=False))
+            torch.set_num_threads(threads or slot_threads(slot_resource if relay else None))
         self.name = name
         self.store_location = store
         self.engine = make_engine(engine, dtype)
@@ -111,7 +132,7 @@ class WorkerGroupRuntime:
         self.truncation = truncation
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.system_prompt = system_prompt
-        self.cache_dir = Path(cache_dir or Path.home() / ".cache" / "drmas" / "policies")
+        self.cache_dir = Path(cache_dir or Path.home() / ".cache" / "drmas" / "policies") / cache_scope
         self.version: str | None = None
         self.policy: PolicyRef | None = None
         """The stored policy whose weights the engine holds (loaded, or adopted in memory)."""
@@ -171,7 +192,24 @@ class WorkerGroupRuntime:
             raise PolicyError(f"{artifact.uri}: {str(error).removeprefix(f'{local}: ')}") from None
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.version, self.policy = version, policy
+        self._prune_cache(local, base)
         return True
+
+    def _prune_cache(self, local: Path, base: PolicyRef | None) -> None:
+        """Remove this worker group's other cached versions: the cache would otherwise keep
+        every version ever loaded on the node (tens of GB each at the recipes' sizes) until
+        the pod's disk fills. Kept: the version just loaded (the HF engine reloads from its
+        folder after releasing memory), its merged weights and its LoRA base. The group's
+        workers on a node load versions together (the pool waits for all of them), so none
+        still reads a version pruned here; another worker's download in progress (a
+        ``.tmp-`` folder) is left alone."""
+        keep = {local.name, f"{local.name}-merged"}
+        if base is not None:
+            keep.add(f"{self.name}-{self._version_of(base)[1]}")
+        version_folder = re.compile(rf"{re.escape(self.name)}-[0-9a-f]{{16}}(-merged)?")
+        for folder in self.cache_dir.iterdir():
+            if version_folder.fullmatch(folder.name) and folder.name not in keep:
+                shutil.rmtree(folder, ignore_errors=True)
 
     def _download(self, artifact: Artifact, prefix: str, version: str) -> Path:
         """The policy's files in the local cache, downloaded once per version."""
