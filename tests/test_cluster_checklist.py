@@ -71,9 +71,12 @@ def test_the_objects_it_names_are_what_the_manifests_deploy():
     [cluster] = find(platform, "RayCluster", "drmas-raycluster")
     assert f"{cluster['metadata']['name']}-head-svc" == HEAD_SERVICE  # KubeRay's name of the head Service
     [gpu] = cluster["spec"]["workerGroupSpecs"]
-    assert (gpu["groupName"], gpu["minReplicas"], gpu["maxReplicas"]) == ("gpu", 0, 8)
+    assert (gpu["groupName"], gpu["minReplicas"], gpu["maxReplicas"]) == ("gpu", 0, 2)
     assert "nodeSelector" not in gpu["template"]["spec"]  # "the Ray gpu group has no node selector"
-    assert '\\"pool_slot\\": 1' in gpu["rayStartParams"]["resources"]
+    assert '\\"pool_slot\\": 8' in gpu["rayStartParams"]["resources"]
+    resources = gpu["template"]["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == "8"
+    assert (resources["limits"]["memory"], resources["requests"]["ephemeral-storage"]) == ("1600Gi", "900Gi")
     assert {claim["metadata"]["name"] for claim in find(platform, "PersistentVolumeClaim")} == {
         "drmas-data",
         "mlflow-db",

@@ -14,7 +14,7 @@ examples:
     drmas compare CONFIG --advantage grpo,drmas --seeds 3 [a.b=value ...] [--name NAME]
                                           train per mode and seed, report gradient norms,
                                           Lemma 4.2 terms, spikes and eval side by side
-    drmas plan CONFIG [a.b=value ...] [--device-memory 80GB] [-o text|json]
+    drmas plan CONFIG [a.b=value ...] [--device-memory 80GB] [--gpus-per-node 8] [-o text|json]
                                           memory per pool slot (engines, training state,
                                           activations, logits) and whether it fits
     drmas compile CONFIG [a.b=value ...] -o pipeline.yaml [--pipeline train|rl_iteration|evaluate]
