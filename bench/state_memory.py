@@ -1,4 +1,4 @@
-"""Host memory of saving and restoring the optimizer state, per rank: streamed against whole.
+"""Host memory of saving and restoring the optimizer state, per rank: sharded, streamed, whole.
 
 Two ranks (gloo, on the CPU) train a ~20M-parameter model with DeepSpeed ZeRO-2 or ZeRO-3
 for one step, then, in the same processes, save and restore the optimizer state both ways:
@@ -6,14 +6,16 @@ for one step, then, in the same processes, save and restore the optimizer state 
 - whole (drmas before): every rank gathers the whole state (``export_state``), rank 0
   serialises it into a second copy in memory (``state_files``); a restore reads the whole
   file into memory (``safetensors.torch.load_file``);
-- streamed (now): every rank takes part in each tensor's gather and only rank 0 keeps it,
-  long enough to append it to the file (``state_stream`` + ``write_state``/``drain``); a
-  restore reads one tensor at a time (``load_state``).
+- streamed (drmas before the shards): every rank takes part in each tensor's gather and
+  only rank 0 keeps it, long enough to append it to the file (``state_stream`` +
+  ``write_state``/``drain``); a restore reads one tensor at a time (``load_state``);
+- sharded (now): every rank writes the ranges it holds to its own file and stores it
+  (``shard_stream`` + ``store_shards``, a local store); a restore downloads the shards that
+  hold its ranges and reads just those (``update.import_stored_state``).
 
 Each phase's peak is the process's anonymous resident memory sampled every 2 ms, above what it held
 when the phase started (``malloc_trim`` between phases, so freed memory is given back). It
-prints MB per rank and phase, the ratio streamed/whole, and the state's and a rank's
-shard's size.
+prints MB per rank and phase, and each sharded peak against the rank's shard (its file).
 
     python bench/state_memory.py --stage 2
 """
@@ -90,8 +92,13 @@ def rank_main(rank: int, rendezvous: str, folder: str, stage: int, results: dict
     from gpu_checks import build_model, engine_config, random_rows
     from safetensors.torch import load_file
 
+    from drmas.infra.layout import PolicyRef
+    from drmas.infra.store import Store
+    from drmas.stages.optimizer_store import store_shards
+    from drmas.stages.update import import_stored_state
     from drmas.training.engines import make_engine
     from drmas.training.loop import train_worker_group
+    from drmas.training.shards import shard_file
     from drmas.training.state import TrainState, drain, load_state, state_files, write_state
 
     config = engine_config(stage, offload=False, bf16=False)
@@ -120,15 +127,28 @@ def rank_main(rank: int, rendezvous: str, folder: str, stage: int, results: dict
     def restore_streamed() -> None:
         engine.import_state(load_state(streamed))
 
+    store = Store(str(Path(folder) / "store"))
+
+    def save_sharded() -> None:
+        store_shards(engine.shard_stream(), store, "optim", False, {}, Path(folder) / f"save{rank}", 600)
+
+    def restore_sharded() -> None:
+        import_stored_state(engine, store, PolicyRef("optim"), Path(folder) / f"restore{rank}")
+
     phases: dict[str, int] = {}
-    for name, work in (("save streamed", save_streamed), ("save whole", save_whole)):
+    for name, work in (("save sharded", save_sharded), ("save streamed", save_streamed), ("save whole", save_whole)):
         phases[name] = peak_above_start(work)
         dist.barrier()
-    for name, work in (("restore streamed", restore_streamed), ("restore whole", restore_whole)):
+    restores = (("restore sharded", restore_sharded), ("restore streamed", restore_streamed))
+    for name, work in (*restores, ("restore whole", restore_whole)):
         phases[name] = peak_above_start(work)
         dist.barrier()
-    state_bytes = (streamed / "optimizer.safetensors").stat().st_size
-    results[rank] = {"phases": phases, "state_bytes": state_bytes, "params": sum(p.numel() for p in model.parameters())}
+    results[rank] = {
+        "phases": phases,
+        "state_bytes": (streamed / "optimizer.safetensors").stat().st_size,
+        "shard_bytes": (Path(folder) / "store" / "optim" / shard_file(rank, 2)).stat().st_size,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     dist.destroy_process_group()
 
 
@@ -144,17 +164,19 @@ def main() -> None:
         report = dict(results)
     state = report[0]["state_bytes"]
     print(f"ZeRO-{args.stage}, 2 ranks, {report[0]['params'] / 1e6:.1f}M parameters (fp32)")
-    print(f"optimizer state: {state / MB:.0f} MB whole, {state / 2 / MB:.0f} MB a rank's shard")
+    print(f"optimizer state: {state / MB:.0f} MB whole")
     print(
-        f"{'rank':>4}  {'phase':<8} {'whole MB':>9} {'streamed MB':>12} {'streamed/whole':>15} {'streamed/shard':>15}"
+        f"{'rank':>4}  {'phase':<8} {'whole MB':>9} {'streamed MB':>12} {'sharded MB':>11} "
+        f"{'shard MB':>9} {'sharded/shard':>14}"
     )
     for rank in (0, 1):
-        phases = report[rank]["phases"]
+        phases, shard = report[rank]["phases"], report[rank]["shard_bytes"]
         for phase in ("save", "restore"):
-            whole, streamed = phases[f"{phase} whole"], phases[f"{phase} streamed"]
-            ratio = streamed / whole if whole > 0 else float("nan")
-            per_shard = streamed / (state / 2)
-            print(f"{rank:>4}  {phase:<8} {whole / MB:9.1f} {streamed / MB:12.1f} {ratio:15.2f} {per_shard:15.2f}")
+            whole, streamed, sharded = (phases[f"{phase} {way}"] for way in ("whole", "streamed", "sharded"))
+            print(
+                f"{rank:>4}  {phase:<8} {whole / MB:9.1f} {streamed / MB:12.1f} {sharded / MB:11.1f} "
+                f"{shard / MB:9.1f} {sharded / shard:14.2f}"
+            )
     print(json.dumps({str(rank): value for rank, value in report.items()}))
 
 

@@ -24,6 +24,7 @@ from drmas.stages.checkpoint import check_policy
 from drmas.stages.contracts import UpdateContract, cache_key
 from drmas.training.batching import collate, token_logprobs
 from drmas.training.lora import BaseReference, with_lora
+from drmas.training.shards import load_optimizer_state
 
 ROOT = Path(__file__).parent.parent
 LORA = ["models.tiny.lora.rank=4", "models.tiny.lora.alpha=8", "train.lr=0.05"]
@@ -124,7 +125,7 @@ def test_resume_restores_the_adapter_and_its_optimizer_state(tmp_path):
     starts from the stored adapter and optimizer state (adapter parameters only)."""
     config, store, initial, _, first = lora_update(tmp_path / "cold")
     optim = PolicyRef(optim_path(config.experiment.name, "run", 0, WG))
-    state = load_file(str(store.open(optim.artifact).download(tmp_path / "optim") / "optimizer.safetensors"))
+    state = load_optimizer_state(store.open(optim.artifact).download(tmp_path / "optim")).tensors
     moments = [name for name in state if name.startswith("optim/")]
     assert moments and all(".lora_" in name for name in moments)
     args = (config, store.settings(), "run", 0, WG)

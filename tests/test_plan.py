@@ -21,6 +21,7 @@ from drmas.planning import (
     GB,
     KNOWN_ARCHITECTURES,
     RAY_LOG_BYTES,
+    STORE_CHUNK_BYTES,
     Architecture,
     PlanError,
     architecture_of,
@@ -366,15 +367,20 @@ def test_a_bad_device_memory_is_a_usage_error(capsys):
 # --------------------------------------------------------------------------------------
 
 
-def test_a_streamed_optimizer_save_and_restore_hold_copies_of_the_largest_tensor():
-    """The save and the restore stream one parameter's fp32 state at a time: a few copies of
-    the largest (Qwen3-4B's 151936 x 2560 embedding: three for a save, two for a restore) on
-    every rank, whatever the ZeRO stage or the number of slots, not the 12 bytes a parameter
-    of the whole state."""
-    for overrides in ([], ["ray.pool_size=8", "train.zero_stage=3"]):
+def test_an_optimizer_save_and_restore_hold_one_piece_and_the_transfers_chunks():
+    """Each rank saves its own shard one piece at a time (its range of one tensor: at most
+    the largest parameter's fp32 state, Qwen3-4B's 151936 x 2560 embedding; under ZeRO-3
+    its partition of it) and streams the file up in chunks; a restore reads one range at a
+    time while it downloads. Never the 12 bytes a parameter of the whole state."""
+    from drmas.infra.store import CHUNK_BYTES
+
+    assert STORE_CHUNK_BYTES == CHUNK_BYTES
+    embedding = 151936 * 2560 * 4
+    for overrides, piece in (([], embedding), (["ray.pool_size=8", "train.zero_stage=3"], embedding // 8)):
         group = plan_memory(load_config(MATH_RECIPE, overrides)).groups[0]
         assert group.largest_param == 151936 * 2560
-        assert (group.save_host, group.restore_host) == (3 * 151936 * 2560 * 4, 2 * 151936 * 2560 * 4)
+        assert group.save_host == piece + 3 * CHUNK_BYTES
+        assert group.restore_host == embedding + 2 * CHUNK_BYTES
 
 
 def test_a_cold_update_loads_the_model_on_the_host_of_every_slot():
@@ -424,7 +430,7 @@ def test_a_config_whose_host_need_exceeds_host_memory_is_refused_naming_the_phas
     plan = plan_memory(load_config(MATH_RECIPE, ["ray.host_memory_gb=60"]))
     assert plan.fits is False
     assert plan.problems[0].startswith("host, rollout: needs 79.9 GB per slot, more than 60.0 GB (ray.host_memory_gb)")
-    assert any(problem.startswith("host, cold update solver: needs 79.0 GB") for problem in plan.problems)
+    assert any(problem.startswith("host, cold update solver: needs 77.5 GB") for problem in plan.problems)
     assert plan_memory(load_config(MATH_RECIPE, ["ray.host_memory_gb=100"])).fits is True
     output = tmp_path / "pipeline.yaml"
     assert main(["compile", MATH_RECIPE, "ray.host_memory_gb=60", "-o", str(output)]) == 2

@@ -23,6 +23,7 @@ from helpers import TINY_OVERRIDES, refuse_ray
 
 from drmas.cli import main
 from drmas.infra.store import MANIFEST
+from drmas.training.shards import shard_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 ROOT = Path(__file__).parent.parent
@@ -118,13 +119,13 @@ def test_kill_and_resume_equals_uninterrupted(baseline_run: BaselineRun, tmp_pat
 
     # A damaged last checkpoint: say which file and stop, non-zero, before Ray (refused
     # here) or anything else starts; never run zero steps.
-    optimizer = cut_dir / LAST / "optim" / "solver" / "optimizer.safetensors"
+    optimizer = cut_dir / LAST / "optim" / "solver" / shard_file(0, 1)
     optimizer.write_bytes(optimizer.read_bytes()[:100])
     status, _, err = drmas_here(
         capsys, tmp_path, "run", "--resume", "cut", "checkpoint.every=2", "experiment.iterations=3"
     )
     assert status == 1
-    assert "optim/solver/optimizer.safetensors: 100 bytes, but the manifest says" in err
+    assert f"optim/solver/{shard_file(0, 1)}: 100 bytes, but the manifest says" in err
 
 
 def assert_tracked(run: BaselineRun) -> None:

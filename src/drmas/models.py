@@ -17,12 +17,15 @@ its model's own chat template, template variables and system message.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers import PreTrainedTokenizerBase as Tokenizer
 
@@ -35,6 +38,7 @@ __all__ = [
     "chat_prompt",
     "chat_turn",
     "load_model",
+    "load_model_partitioned",
     "load_tokenizer",
     "pretrained_folder",
     "train_tokenizer",
@@ -142,15 +146,115 @@ def load_model(source: str | Path, dtype: str = "float32", revision: str | None 
     """A causal LM from a hub id (at ``revision``) or a folder: from safetensors only and
     without the folder's own code (``trust_remote_code`` stays off), since either would run
     what the folder holds."""
-    folder = pretrained_folder(source, revision)
-    if problem := weights_problem(path.name for path in folder.iterdir()):
-        raise PolicyError(f"{source}: {problem}")
+    folder = _weights_folder(source, revision)
     with _refused_as_policy_error(source):
         model = AutoModelForCausalLM.from_pretrained(
             str(folder), dtype=getattr(torch, dtype), use_safetensors=True, trust_remote_code=False
         )
     model.eval()
     return model
+
+
+def load_model_partitioned(source: str | Path, dtype: str, deepspeed_config: dict[str, Any]) -> PreTrainedModel:
+    """A causal LM partitioned for DeepSpeed ZeRO-3 from the start, through the same gate as
+    :func:`load_model` (safetensors only, no code from the folder): no rank ever holds the
+    whole model, only its partition of each parameter, as ``deepspeed.initialize`` would
+    have made it from a whole one (``deepspeed_config`` is the engine's).
+
+    The model is built from its config under ``deepspeed.zero.Init`` (DeepSpeed 0.19.8,
+    runtime/zero/partition_parameters.py:951-1200): each module's parameters are made
+    whole on DeepSpeed's device when the module's ``__init__`` ends, broadcast from rank 0
+    and cut to this rank's ``ds_tensor`` (``_post_init_method``, :1232-1262;
+    ``_partition_param``, :1778-1880), so one module's parameters at a time. transformers'
+    ``no_init_weights`` skips their random initialisation, which the load overwrites. Each
+    rank then reads only its own partition of each tensor from the memory-mapped file
+    (:func:`_read_partition`). transformers' own ZeRO-3 load (``HfDeepSpeedConfig``) is
+    not used: rank 0 reads the whole state dict into memory (``load_state_dict``) and
+    broadcasts it module by module (integrations/deepspeed.py,
+    ``_load_state_dict_into_zero3_model``), so rank 0 holds the whole model.
+
+    Refused with a :class:`PolicyError` when a parameter has no tensor of its shape in the
+    files (a checkpoint whose names transformers converts on load)."""
+    import deepspeed  # noqa: PLC0415 - only the ZeRO-3 engine loads this way
+    from transformers import AutoConfig  # noqa: PLC0415
+    from transformers.initialization import no_init_weights  # noqa: PLC0415
+
+    folder = _weights_folder(source)
+    with _refused_as_policy_error(source):
+        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+    # Not a policy's fault: the build's collectives (a rank that fails or times out).
+    with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=deepspeed_config):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), trust_remote_code=False)
+    model.tie_weights()  # no_init_weights skips it with the rest of ``init_weights``
+    with _refused_as_policy_error(source):
+        _read_partitions(model, folder, source)
+    model.eval()
+    return model
+
+
+def _read_partitions(model: torch.nn.Module, folder: Path, source: str | Path) -> None:
+    """Every parameter's partition, and the buffers the files hold (whole: ZeRO-3 does not
+    partition buffers), from the folder's safetensors (one file or a sharded index)."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    files = _tensor_files(folder)
+    with ExitStack() as stack:
+        opened = {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in set(files.values())}
+        for name, param in model.named_parameters():
+            if name not in files:
+                raise PolicyError(f"{source}: no tensor {name} in its safetensors")
+            tensor = opened[files[name]].get_slice(name)
+            if tuple(tensor.get_shape()) != tuple(param.ds_shape):
+                raise PolicyError(f"{source}: {name} is {tensor.get_shape()}, the model's {list(param.ds_shape)}")
+            _read_partition(tensor, param)
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name in files:
+                    buffer.copy_(opened[files[name]].get_tensor(name))
+
+
+def _read_partition(tensor: Any, param: Any) -> None:
+    """This rank's partition of ``param`` (a ZeRO-3 parameter: DeepSpeed adds its ``ds_*``
+    attributes) from its tensor in a safetensors file.
+
+    ZeRO-3 partitions the flattened parameter in equal parts of ``ds_tensor.ds_numel``
+    elements, rank r holding elements [r x part, (r + 1) x part), the last part padded
+    (partition_parameters.py:1690-1699, 1841-1872). safetensors reads a range of rows
+    (``get_slice``, from the memory-mapped file): the rows that hold the part, at most two
+    rows more than the part itself; the padding is zeroed."""
+    part = param.ds_tensor
+    size = part.ds_numel
+    start = min(size * dist.get_rank(group=param.ds_process_group), param.ds_numel)
+    end = min(start + size, param.ds_numel)
+    row = math.prod(tensor.get_shape()[1:])
+    first, last = start // row, -(-end // row)
+    values = tensor[first:last].reshape(-1)[start - first * row : end - first * row]
+    with torch.no_grad():
+        part.zero_()
+        part[: end - start].copy_(values)
+
+
+def _tensor_files(folder: Path) -> dict[str, Path]:
+    """Which safetensors file of ``folder`` holds each tensor: the shard index's map, or the
+    one file's tensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    from safetensors import safe_open  # noqa: PLC0415
+
+    single = folder / "model.safetensors"
+    with safe_open(str(single), framework="pt") as opened:
+        return dict.fromkeys(opened.keys(), single)
+
+
+def _weights_folder(source: str | Path, revision: str | None = None) -> Path:
+    """The folder of ``source`` (:func:`pretrained_folder`), refused when its weights are
+    not safetensors alone."""
+    folder = pretrained_folder(source, revision)
+    if problem := weights_problem(path.name for path in folder.iterdir()):
+        raise PolicyError(f"{source}: {problem}")
+    return folder
 
 
 HUB_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken")

@@ -19,8 +19,8 @@ offloaded to the host after it. So a slot's device has three peaks:
 And its host share has one peak per phase: every group's training state kept offloaded
 between updates, the engines' weight backups, the process baselines and Ray's /dev/shm
 (rollout); the training group's offloaded optimizer, a ZeRO-3 hand-over's host copies and
-an optimizer save (update); the whole model loaded on the host, the optimizer state read
-back (cold update).
+an optimizer save, each rank its own shard (update); the model loaded on the host (whole, or under ZeRO-3 one
+tensor's partition at a time), the optimizer state read back (cold update).
 
 Both count the CUDA contexts of the processes on the slot (every group's worker and, with
 SGLang, its engine's scheduler). The numbers are upper bounds for the configured lengths:
@@ -48,6 +48,7 @@ from drmas.generation.engines.sglang import MEM_FRACTION_STATIC, PUSH_BUCKET_BYT
 __all__ = [
     "DEEPSPEED_REDUCE_BUCKET",
     "RAY_LOG_BYTES",
+    "STORE_CHUNK_BYTES",
     "KNOWN_ARCHITECTURES",
     "Architecture",
     "GroupPlan",
@@ -93,18 +94,18 @@ DEEPSPEED_MAX_LIVE_PARAMETERS = 1_000_000_000
 config.py:245)."""
 RAY_LOG_BYTES = 10 * GB
 """Disk for Ray's logs in a worker pod (/tmp/ray): an allowance, not measured."""
-SAVE_TENSOR_COPIES = 3
-"""Host copies of one parameter's fp32 state counted while the optimizer state is saved
-(``drmas.training.state.write_state``). The code holds two: the tensor being written and
-the next one, which the stream gathers (DeepSpeed's ``get_full_hp_param`` all-reduces into
-a whole fp32 buffer, utils/tensor_fragment.py:87-95) before the loop lets the previous one
-go. On the 20M-parameter model of tests/test_plan_measured.py a ZeRO-1/2 save peaks a few
-MB above two copies of its 33 MB embedding state (the collective's and the interpreter's
-own buffers), so the plan counts a third."""
-RESTORE_TENSOR_COPIES = 2
-"""Host copies of one parameter's fp32 state counted while the optimizer state is restored:
-the tensor read out of the memory-mapped file (``StoredTensors``) and the copy the import
-hands DeepSpeed (``DeepSpeedEngine._import_moments``)."""
+STORE_CHUNK_BYTES = 8 * 2**20
+"""The store moves a file to and from local disk in chunks of this size
+(``drmas.infra.store.CHUNK_BYTES``; tests/test_plan.py holds the two equal)."""
+SAVE_UPLOAD_CHUNKS = 3
+"""Chunks of host memory an optimizer save holds for its upload: each rank writes its shard
+to local disk one piece at a time (``drmas.training.shards.write_shard``) and streams the
+file up in chunks, hashed as they go. The 20M-parameter runs of
+tests/test_plan_measured.py measure a save at 17.3 MB on every ZeRO stage, a few hundred
+kB above two chunks (the one read and the one sent): the plan counts a third."""
+RESTORE_DOWNLOAD_CHUNKS = 2
+"""Chunks a restore holds while it downloads the shards that hold its ranges (the one read
+and the one written to disk)."""
 
 
 class PlanError(ValueError):
@@ -357,16 +358,24 @@ class GroupPlan:
     (``enable_weights_cpu_backup``), the HF engine's copy of the handed-over weights."""
     load_host: int
     """A cold update (a new worker, a restart, another policy) loads the whole model on the
-    host on every rank before the engine moves it to the device (``_start_training``)."""
+    host on every rank before the engine moves it to the device (``_start_training``).
+    ZeRO-3 loads it partitioned from the start (``load_training_model``): its partitions
+    are the device's weights, and the host holds the rows of one tensor at a time read from
+    the file, bounded by the largest tensor (a CPU run also makes each module's parameters
+    whole there for a moment under ``zero.Init``). With a KL term the reference model is
+    still loaded whole (``_reference``)."""
     handover_host: int
     """ZeRO-3: the whole weights gathered to host copies on every rank (``full_weights``),
     which the push to SGLang moves into /dev/shm."""
     save_host: int
-    """A streamed optimizer save's host copies (``SAVE_TENSOR_COPIES`` x the largest
-    parameter's fp32 state), on every rank."""
+    """An optimizer save on every rank (each its own shard, ``drmas.training.shards``): one
+    piece at a time copied to the host (the rank's range of one tensor: at most the largest
+    parameter's fp32 state, its partition of it under ZeRO-3) and the upload's chunks
+    (``SAVE_UPLOAD_CHUNKS``)."""
     restore_host: int
-    """A streamed restore's host copies (``RESTORE_TENSOR_COPIES`` x the largest parameter's
-    fp32 state); the moments it fills are counted where they live."""
+    """A restore on every rank: the range of one tensor read from its shard file (at most
+    the largest parameter's fp32 state) and the download's chunks
+    (``RESTORE_DOWNLOAD_CHUNKS``); the moments it fills are counted where they live."""
     engine_disk: int
     """The engine's policy cache on the node's disk, which the group's workers there share:
     the version it holds and the next one while it downloads (the worker prunes the rest),
@@ -630,13 +639,14 @@ def _group_plan(config: DrmasConfig, group: WorkerGroup, device_memory: int | No
             _ceil_div(weights, config.ray.pool_size) + largest * dtype_bytes if offloads and stage in (1, 2) else 0
         ),
         engine_host=weights,
-        load_host=weights,
+        load_host=largest * dtype_bytes if stage == 3 and not reference else weights,
         handover_host=weights if stage >= 3 else 0,
         engine_disk=weights * (3 if lora is not None else 2),
         update_disk=weights * (3 if reference or lora is not None else 2)
         + 3 * _state_shard(config, group, params, adapters),
-        save_host=SAVE_TENSOR_COPIES * fp32_state,
-        restore_host=RESTORE_TENSOR_COPIES * fp32_state,
+        save_host=(_ceil_div(fp32_state, config.ray.pool_size) if stage == 3 else fp32_state)
+        + SAVE_UPLOAD_CHUNKS * STORE_CHUNK_BYTES,
+        restore_host=fp32_state + RESTORE_DOWNLOAD_CHUNKS * STORE_CHUNK_BYTES,
     )
 
 

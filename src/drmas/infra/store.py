@@ -66,6 +66,7 @@ __all__ = [
     "ArtifactNotFound",
     "ArtifactWriter",
     "CorruptArtifact",
+    "FileEntry",
     "Store",
     "StoreError",
     "StoreSettings",
@@ -202,6 +203,15 @@ class Store:
         is removed first, so no reader sees a mix of old and new files.
         """
         return ArtifactWriter(self, _clean(path), overwrite, dict(meta or {}))
+
+    def put_part(self, path: str, local_path: str | Path, name: str) -> FileEntry:
+        """One file put, streamed, into the artifact at ``path`` that another process's
+        writer has opened and will commit (``ArtifactWriter.adopt``: one rank's optimizer
+        shard, drmas.training.shards); its manifest entry. The write guard is checked as
+        a writer's."""
+        part = ArtifactWriter(self, _clean(path), overwrite=True, meta={})  # never opened nor committed
+        part.put_file(local_path, name)
+        return part.files[_clean(name)]
 
     def exists(self, path: str) -> bool:
         """Whether a complete artifact (one with a manifest) is at ``path``."""
@@ -477,16 +487,24 @@ class Artifact:
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise CorruptArtifact(f"{self.store.uri(self.path, name)}: not JSON ({error})") from None
 
-    def download(self, local_dir: str | Path, prefix: str = "") -> Path:
-        """Copy the files under ``prefix`` into ``local_dir`` (verified), keeping sub-folders."""
+    def download(self, local_dir: str | Path, prefix: str = "", only: Callable[[str], bool] | None = None) -> Path:
+        """Copy the files under ``prefix`` (those whose name below it ``only`` accepts) into
+        ``local_dir`` (verified), keeping sub-folders."""
         local_dir = Path(local_dir)
         for name in self.files:
             if prefix and not name.startswith(prefix.rstrip("/") + "/"):
                 continue
-            target = local_dir / (name[len(prefix.rstrip("/")) + 1 :] if prefix else name)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            self._read_verified_into(name, target)
+            relative = name[len(prefix.rstrip("/")) + 1 :] if prefix else name
+            if only is None or only(relative):
+                self.download_file(relative, local_dir, prefix)
         return local_dir
+
+    def download_file(self, relative: str, local_dir: str | Path, prefix: str = "") -> Path:
+        """One file under ``prefix`` into ``local_dir`` (verified, streamed): its path."""
+        target = Path(local_dir) / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self._read_verified_into(f"{prefix.rstrip('/')}/{relative}" if prefix else relative, target)
+        return target
 
     def _read_verified_into(self, name: str, target: Path) -> None:
         """The file streamed into ``target`` (never whole in memory), refused as
@@ -586,6 +604,15 @@ class ArtifactWriter:
         digest = self.store._write_from(absolute, local_path)
         self.files[name] = FileEntry(size, digest)
         return self.store.uri(self.path, name)
+
+    def adopt(self, name: str, entry: FileEntry) -> None:
+        """A file another process put into this artifact (``Store.put_part``), listed in the
+        manifest with the size and sha256 it measured while uploading."""
+        name = _clean(name)
+        if name == MANIFEST or name in self.files:
+            raise StoreError(f"{self.store.uri(self.path, name)}: written twice or reserved")
+        self._guard()
+        self.files[name] = entry
 
     def put_dir(self, local_dir: str | Path, prefix: str) -> list[str]:
         """Upload every file under ``local_dir`` as ``prefix/relative/path``."""

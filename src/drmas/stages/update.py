@@ -18,7 +18,8 @@
    each agent's share of the loss, from a side pass that leaves the update unchanged.
 5. Write the new policy (HF layout, safetensors) and, every ``checkpoint.every``-th
    iteration and after the last, the optimizer, scheduler and RNG state (safetensors +
-   JSON, never pickle) as two artifacts, manifests last. A LoRA group
+   JSON, never pickle; each rank stores the part it holds, ``drmas.training.shards``) as
+   two artifacts, manifests last. A LoRA group
    (``models.NAME.lora``) trains adapters on its frozen base and stores only them (PEFT
    layout) with a reference to the base (``drmas.generation.lora``); its KL reference is
    the base, the same model with the adapter switched off.
@@ -161,10 +162,10 @@ def update_rank(
     import torch  # noqa: PLC0415
 
     from drmas.generation.lora import merge_lora  # noqa: PLC0415
+    from drmas.stages.optimizer_store import store_shards  # noqa: PLC0415
     from drmas.training.engines import rank_and_world, wait_for_all  # noqa: PLC0415
     from drmas.training.loop import train_worker_group  # noqa: PLC0415
     from drmas.training.lora import adapter_config, split_weights  # noqa: PLC0415
-    from drmas.training.state import drain, write_state  # noqa: PLC0415
 
     started = time.perf_counter()
     store = Store.from_config(store_settings)
@@ -189,14 +190,13 @@ def update_rank(
             policy_path(experiment, run_id, iteration, wg),
             optim_path(experiment, run_id, iteration, wg),
         )
-        # Every rank takes part in gathering partitioned weights and optimizer state; rank 0
-        # writes the state to its scratch folder as it is gathered, one tensor at a time.
+        # Every rank takes part in gathering partitioned weights; each rank stores the part of
+        # the optimizer state it holds, one tensor at a time, and rank 0 commits the artifact.
         weights = engine.full_weights()
         saved = Path(scratch) / "out"
-        stores_optimizer = config.stores_optimizer(iteration)
-        if stores_optimizer:
-            stream = engine.state_stream()
-            write_state(stream, saved / "optim") if rank == 0 else drain(stream)
+        meta = {"stage": "update", "iteration": iteration, "wg": wg, "cache_key": cache_key}
+        if config.stores_optimizer(iteration):
+            store_shards(engine.shard_stream(), store, out_optim, overwrite, meta, saved / "optim", ARTIFACT_WAIT_S)
         if held.lora_base is not None and worker is not None:  # its engine takes the merged weights
             weights = merge_lora(*split_weights(model), adapter_config(model))
         if rank == 0:
@@ -205,10 +205,6 @@ def update_rank(
             else:
                 model.save_pretrained(saved / "policy", safe_serialization=True, state_dict=weights)
             tokenizer.save_pretrained(saved / "policy")
-            meta = {"stage": "update", "iteration": iteration, "wg": wg, "cache_key": cache_key}
-            if stores_optimizer:
-                with store.writer(out_optim, overwrite=overwrite, meta=meta) as out:
-                    out.put_dir(saved / "optim", "")
             with store.writer(out_policy, overwrite=overwrite, meta=meta) as out:
                 out.put_dir(saved / "policy", "")
                 out.write_json("metrics.json", metrics)
@@ -224,10 +220,12 @@ def update_rank(
 
 
 ARTIFACT_WAIT_S = 6 * 3600.0
-"""How long ranks 1..N wait for rank 0 to store the update's policy (and at a checkpoint
-its optimizer state: 56 GB for the math recipe, an hour at 15 MB/s). The group's own
-collectives time out after 10 minutes, which aborted them while rank 0 uploaded; a rank 0
-that fails makes the pool rebuild the group, which ends the wait sooner."""
+"""How long ranks wait for each other to download a cold update's policy, to store the
+update's policy (rank 0) and at a checkpoint the optimizer state (each rank its shard: 56
+GB over the ranks for the math recipe, an hour at 15 MB/s on one). The group's own
+collectives time out after 10 minutes,
+which aborted them while rank 0 uploaded; a rank that fails makes the pool rebuild the
+group, which ends the wait sooner."""
 
 
 def _start_training(
@@ -249,8 +247,8 @@ def _start_training(
     import torch  # noqa: PLC0415
 
     from drmas.generation.lora import lora_base, read_adapter  # noqa: PLC0415
-    from drmas.models import load_model, load_tokenizer  # noqa: PLC0415
-    from drmas.training.engines import make_engine  # noqa: PLC0415
+    from drmas.models import load_tokenizer  # noqa: PLC0415
+    from drmas.training.engines import make_engine, wait_for_all  # noqa: PLC0415
     from drmas.training.lora import BaseReference, with_lora  # noqa: PLC0415
 
     local = store.open(policy.artifact).download(scratch / "policy", prefix=policy.prefix)
@@ -260,7 +258,11 @@ def _start_training(
     if base is not None and lora is None:
         raise PolicyError(f"{store.uri(policy.artifact)}: a LoRA policy, but models.{group.model}.lora is not set")
     whole = local if base is None else store.open(base.artifact).download(scratch / "base", prefix=base.prefix)
-    model = load_model(whole, dtype)
+    # Each rank downloads at the store's pace (a 7B policy: 15 GB): the ranks meet on a group
+    # with a long timeout of its own, not in the first collective, which times out after 10
+    # minutes (ZeRO-3's partitioned load is one).
+    wait_for_all(ARTIFACT_WAIT_S)
+    model = load_training_model(whole, group, config)
     prepare_for_training(model, config.train.gradient_checkpointing)
     record = None
     if lora is not None:
@@ -271,7 +273,7 @@ def _start_training(
     tokenizer = load_tokenizer(local)
     engine = make_engine(model, group, config)
     if optim is not None:
-        _import_stored_state(engine, store, optim, scratch / "optim")
+        import_stored_state(engine, store, optim, scratch / "optim")
     else:  # the first update: its RNG (saved with the state) must not depend on the process's past
         torch.manual_seed(zlib.crc32(f"{config.experiment.seed}/{group.name}".encode()))
     if record is not None and config.algorithm.kl_coef:
@@ -281,6 +283,19 @@ def _start_training(
         ref_model = _reference(config, store, reference, scratch, dtype, engine.device)
     rng = torch.get_rng_state()
     return HeldTraining(engine, model, tokenizer, reference, ref_model, policy, "", optim, rng, record)
+
+
+def load_training_model(folder: Path, group: WorkerGroup, config: DrmasConfig) -> PreTrainedModel:
+    """The policy at ``folder`` as ``group``'s engine will train it: under DeepSpeed ZeRO-3
+    partitioned from the start (``drmas.models.load_model_partitioned``), so that no rank
+    holds the whole model; else whole, on the host, for the engine to move."""
+    from drmas.models import load_model, load_model_partitioned  # noqa: PLC0415
+    from drmas.training.engines import zero3_load_config  # noqa: PLC0415
+
+    dtype = group.spec.dtype if group.spec is not None else "float32"
+    if config.train.backend == "deepspeed" and config.train.zero_stage == 3:
+        return load_model_partitioned(folder, dtype, zero3_load_config(group, config))
+    return load_model(folder, dtype)
 
 
 def _base_record(store: Store, group: WorkerGroup, base: PolicyRef) -> dict[str, Any]:
@@ -367,11 +382,11 @@ def _reference(
     return model
 
 
-def _import_stored_state(engine: TrainEngine, store: Store, optim: PolicyRef, scratch: Path) -> None:
+def import_stored_state(engine: TrainEngine, store: Store, optim: PolicyRef, scratch: Path) -> None:
     """Give ``engine`` the optimizer state stored at ``optim``; a state that cannot be read,
     or that belongs to another model, is refused with its URI (CorruptArtifact); one that
     was never stored (held by a pool that is gone) raises OptimizerStateLost."""
-    from drmas.training.state import load_state  # noqa: PLC0415
+    from drmas.training.shards import is_shard_file, load_optimizer_state  # noqa: PLC0415
 
     where = store.uri(optim.artifact, optim.prefix or None)
     try:
@@ -382,7 +397,9 @@ def _import_stored_state(engine: TrainEngine, store: Store, optim: PolicyRef, sc
             f"stores it every N-th iteration; the pool that held it in between is gone); {_last_stored(store, optim)}"
         ) from None
     try:
-        engine.import_state(load_state(artifact.download(scratch, prefix=optim.prefix)))
+        # Per-rank shards are downloaded when a range this rank holds first needs one.
+        local = artifact.download(scratch, prefix=optim.prefix, only=lambda name: not is_shard_file(name))
+        engine.import_state(load_optimizer_state(local, lambda name: artifact.download_file(name, local, optim.prefix)))
     except (ValueError, KeyError, RuntimeError) as error:
         raise CorruptArtifact(f"{where}: cannot resume the optimizer from it: {error}") from None
 

@@ -17,11 +17,16 @@ import torch
 __all__ = [
     "STATE_FILE",
     "StateStream",
+    "LazyTensors",
     "TrainState",
     "capture_state",
     "collect",
     "drain",
+    "held_state",
+    "checked_state",
     "load_state",
+    "read_json",
+    "read_range",
     "restore_scheduler",
     "restore_state",
     "save_state",
@@ -30,6 +35,7 @@ __all__ = [
     "state_files",
     "state_mismatch",
     "stream_state",
+    "write_safetensors",
     "write_state",
 ]
 
@@ -75,20 +81,29 @@ def stream_state(
     weights that it steps instead of a bf16 model's parameters (mixed precision), saved too
     (``master/{name}``): resumed from the bf16 policy alone, a run would lose what the
     rounding hid."""
+    held, steps = held_state(model, optimizer, masters)
+    sources = [("rng/torch", torch.get_rng_state()), *held.items()]
+    specs = [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in sources]
+    tensors = (tensor.detach().cpu().contiguous() for _, tensor in sources)
+    return StateStream(specs, tensors, {"scheduler": scheduler_state(scheduler), "steps": steps})
+
+
+def held_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, masters: dict[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The live tensors of an optimizer that holds its state whole (``master/{name}``,
+    ``optim/{name}/{key}``) and each parameter's step count."""
     names = {id(p): n for n, p in (masters or dict(model.named_parameters())).items()}
-    sources: list[tuple[str, torch.Tensor]] = [("rng/torch", torch.get_rng_state())]
-    sources += [(f"master/{name}", master) for name, master in (masters or {}).items()]
+    tensors = {f"master/{name}": master for name, master in (masters or {}).items()}
     steps: dict[str, float] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             for key, value in optimizer.state.get(param, {}).items():
                 if torch.is_tensor(value) and value.dim() > 0:
-                    sources.append((f"optim/{names[id(param)]}/{key}", value))
+                    tensors[f"optim/{names[id(param)]}/{key}"] = value
                 elif key == "step":
                     steps[names[id(param)]] = float(value)
-    specs = [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in sources]
-    tensors = (tensor.detach().cpu().contiguous() for _, tensor in sources)
-    return StateStream(specs, tensors, {"scheduler": scheduler_state(scheduler), "steps": steps})
+    return tensors, steps
 
 
 def capture_state(
@@ -129,13 +144,21 @@ _SAFETENSORS_DTYPES = {
 
 def write_state(stream: StateStream, folder: Path) -> None:
     """The state in ``folder`` as ``optimizer.safetensors`` and ``state.json``, written as
-    the stream produces it: the safetensors header first (it is known from the specs), then
-    each tensor's bytes as it comes. The file is what ``safetensors.torch.save`` writes for
-    the same tensors, bar the order of the data."""
+    the stream produces it (``write_safetensors``). The file is what
+    ``safetensors.torch.save`` writes for the same tensors, bar the order of the data."""
     folder.mkdir(parents=True, exist_ok=True)
+    write_safetensors(folder / STATE_FILE, stream.specs, stream.tensors)
+    (folder / META_FILE).write_text(json.dumps(stream.meta, sort_keys=True))
+
+
+def write_safetensors(
+    path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], tensors: Iterable[torch.Tensor]
+) -> None:
+    """A safetensors file written as ``tensors`` come: the header first (it is known from
+    the specs), then each tensor's bytes, so that no more than one tensor is held."""
     header: dict[str, Any] = {}
     offset = 0
-    for name, dtype, shape in stream.specs:
+    for name, dtype, shape in specs:
         size = _numel(shape) * dtype.itemsize
         header[name] = {
             "dtype": _SAFETENSORS_DTYPES[dtype],
@@ -145,13 +168,12 @@ def write_state(stream: StateStream, folder: Path) -> None:
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    with open(folder / STATE_FILE, "wb") as out:
+    with open(path, "wb") as out:
         out.write(struct.pack("<Q", len(encoded)) + encoded)
-        for (name, dtype, shape), tensor in zip(stream.specs, stream.tensors, strict=True):
+        for (name, dtype, shape), tensor in zip(specs, tensors, strict=True):
             if tensor.dtype != dtype or tuple(tensor.shape) != shape:
                 raise ValueError(f"{name}: got {tensor.dtype} {tuple(tensor.shape)}, announced {dtype} {shape}")
             out.write(tensor.contiguous().view(-1).view(torch.uint8).numpy().data)
-    (folder / META_FILE).write_text(json.dumps(stream.meta, sort_keys=True))
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -161,7 +183,18 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-class StoredTensors(Mapping[str, torch.Tensor]):
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """Tensors read from disk when asked for, whose shapes are known without reading them."""
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def read_range(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of the tensor flattened."""
+        return self[name].reshape(-1)[start:stop]
+
+
+class StoredTensors(LazyTensors):
     """The tensors of a safetensors file, read one at a time when asked for (a resume never
     holds the whole optimizer state); ``shape`` reads the header alone."""
 
@@ -189,12 +222,31 @@ class StoredTensors(Mapping[str, torch.Tensor]):
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._file.get_slice(name).get_shape())
 
+    @classmethod
+    def open(cls, path: Path) -> StoredTensors:
+        """The file at ``path``; ValueError naming it when it is missing or not safetensors."""
+        from safetensors import SafetensorError  # noqa: PLC0415
+
+        try:
+            return cls(path)
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"{path.name} is not a safetensors file ({error})") from None
+
 
 def _shape(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...] | None:
     """A tensor's shape without reading it (None: not there)."""
     if name not in tensors:
         return None
-    return tensors.shape(name) if isinstance(tensors, StoredTensors) else tuple(tensors[name].shape)
+    return tensors.shape(name) if isinstance(tensors, LazyTensors) else tuple(tensors[name].shape)
+
+
+def read_range(tensors: Mapping[str, torch.Tensor], name: str, start: int, stop: int) -> torch.Tensor:
+    """Elements [start, stop) of the tensor ``name`` flattened: what a rank holds of it. A
+    state in per-rank shards reads only the shards that hold them; any other reads the
+    tensor (old single-file states, states held in memory)."""
+    if isinstance(tensors, LazyTensors):
+        return tensors.read_range(name, start, stop)
+    return tensors[name].reshape(-1)[start:stop]
 
 
 def scheduler_state(scheduler: Any) -> dict[str, Any]:
@@ -316,22 +368,25 @@ def save_state(state: TrainState, folder: Path) -> None:
 
 
 def load_state(folder: Path) -> TrainState:
-    """The state ``write_state`` or ``save_state`` wrote, its tensors read when asked for;
-    ValueError (naming the file) for anything else.
+    """The state ``write_state`` or ``save_state`` wrote (one file), its tensors read when
+    asked for; ValueError (naming the file) for anything else; a sharded state is read by
+    ``drmas.training.shards.load_optimizer_state``.
 
     Tensors come from safetensors and the rest from JSON: nothing is unpickled, so a
     pickle planted in their place is refused, never run.
     """
-    from safetensors import SafetensorError  # noqa: PLC0415
+    return checked_state(StoredTensors.open(folder / STATE_FILE), read_json(folder, META_FILE))
 
-    try:
-        tensors = StoredTensors(folder / STATE_FILE)
-    except (SafetensorError, OSError) as error:
-        raise ValueError(f"{STATE_FILE} is not a safetensors file ({error})") from None
-    try:
-        meta = json.loads((folder / META_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{META_FILE} is not readable JSON ({error})") from None
+
+def checked_state(tensors: LazyTensors, meta: Any) -> TrainState:
+    """A state of these tensors and JSON, or ValueError when it is not one drmas wrote."""
     if not isinstance(meta, dict) or not isinstance(meta.get("steps"), dict) or "rng/torch" not in tensors:
         raise ValueError("not an optimizer state drmas wrote (state.json without 'steps' or no RNG state)")
     return TrainState(tensors, meta)
+
+
+def read_json(folder: Path, name: str) -> Any:
+    try:
+        return json.loads((folder / name).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{name} is not readable JSON ({error})") from None

@@ -14,10 +14,18 @@ from torch import nn
 
 from drmas.config import DrmasConfig, WorkerGroup
 from drmas.training.engines.base import TrainEngine, full_shape, rank_and_world, training_device, wait_for_all
-from drmas.training.engines.deepspeed import DeepSpeedEngine
+from drmas.training.engines.deepspeed import DeepSpeedEngine, zero3_load_config
 from drmas.training.engines.torch import TorchEngine
 
-__all__ = ["TrainEngine", "full_shape", "make_engine", "rank_and_world", "training_device", "wait_for_all"]
+__all__ = [
+    "TrainEngine",
+    "full_shape",
+    "make_engine",
+    "rank_and_world",
+    "training_device",
+    "wait_for_all",
+    "zero3_load_config",
+]
 
 
 def make_engine(model: nn.Module, group: WorkerGroup, config: DrmasConfig) -> TrainEngine:

@@ -5,20 +5,24 @@ step. ``drmas.training.engines`` picks an engine (``make_engine``)."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from drmas.config import DrmasConfig, WorkerGroup
+from drmas.training.shards import ShardStream
 from drmas.training.state import StateStream, TrainState
 
 __all__ = [
     "TrainEngine",
     "adamw",
+    "exchange_json",
+    "host_group",
     "full_shape",
     "gradient_norm",
     "move_module_and_optimizer",
@@ -40,14 +44,42 @@ def rank_and_world() -> tuple[int, int]:
 def wait_for_all(timeout_s: float) -> None:
     """A barrier of the whole process group with a timeout of its own, on gloo (host
     memory only): for ranks that wait while one rank does long work alone (rank 0 stores the
-    update's policy and optimizer state), longer than the group's collectives may take. Its
-    group is made for the wait (``new_group`` is itself a barrier, with this timeout) and
-    destroyed after it."""
+    update's policy), longer than the group's collectives may take."""
+    with host_group(timeout_s) as group:
+        if group is not None:
+            dist.barrier(group=group)
+
+
+@contextmanager
+def host_group(timeout_s: float) -> Iterator[dist.ProcessGroup | None]:
+    """A gloo group of the whole process group with a timeout of its own (``new_group`` is
+    itself a barrier, with this timeout), destroyed afterwards: for exchanges that wait on
+    long work (uploads to the store). None alone (no group, or a group of one)."""
+    if rank_and_world()[1] == 1:
+        yield None
+        return
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     try:
-        dist.barrier(group=group)
+        yield group
     finally:
         dist.destroy_process_group(group)
+
+
+def exchange_json(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank: sent as JSON bytes (never
+    pickled, unlike ``all_gather_object``). Alone: ``[value]``."""
+    if group is None:
+        return [value]
+    data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()]), group=group)
+    longest = int(max(size.item() for size in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    received = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(received, padded, group=group)
+    return [json.loads(got[: int(size.item())].numpy().tobytes()) for got, size in zip(received, sizes, strict=True)]
 
 
 def training_device() -> torch.device:
@@ -83,6 +115,11 @@ class TrainEngine(Protocol):
     def state_stream(self) -> StateStream:
         """The optimizer state, one tensor at a time (a collective where it is partitioned:
         every rank consumes the whole stream, in order)."""
+        ...
+
+    def shard_stream(self) -> ShardStream:
+        """What this rank holds of the optimizer state, for the sharded save
+        (``drmas.training.shards``); no collective."""
         ...
 
     def export_state(self) -> TrainState:

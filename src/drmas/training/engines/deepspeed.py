@@ -28,10 +28,12 @@ from drmas.training.engines.base import (
     rng_untouched,
     trainable_parameters,
 )
+from drmas.training.shards import Piece, ShardStream, replicated_stream
 from drmas.training.state import (
     StateStream,
     TrainState,
     collect,
+    read_range,
     restore_scheduler,
     restore_state,
     saved_masters,
@@ -40,16 +42,17 @@ from drmas.training.state import (
     stream_state,
 )
 
-__all__ = ["DeepSpeedEngine", "deepspeed_config", "ensure_process_group", "zero3_optimizer_homes"]
+__all__ = ["DeepSpeedEngine", "deepspeed_config", "ensure_process_group", "zero3_load_config", "zero3_optimizer_homes"]
 
 
 class DeepSpeedEngine:
     """DeepSpeed (ZeRO 0-3) around the same torch AdamW; DeepSpeed clips and steps.
 
     DeepSpeed averages gradients over ranks; the loss is scaled by the world size so that
-    the result is the same sum as the torch engine's. The model is loaded whole and
-    ``deepspeed.initialize`` partitions it for ZeRO-3 (``zero.Init`` would only spare the
-    peak of loading it whole).
+    the result is the same sum as the torch engine's. For ZeRO-3 the update stage loads the
+    model partitioned from the start (``zero3_load_config``), which ``deepspeed.initialize``
+    takes as it is; a model built whole (ZeRO 0-2, and the tests' in-memory models) it
+    partitions itself.
 
     With bf16 DeepSpeed's optimizer steps fp32 master weights and rounds them into the
     bf16 model after each step: ZeRO-1/2/3 keep them in flat fp32 partitions; ZeRO-0 gets
@@ -60,9 +63,7 @@ class DeepSpeedEngine:
     """
 
     def __init__(self, model: torch.nn.Module, group: WorkerGroup, config: DrmasConfig) -> None:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-        import deepspeed  # noqa: PLC0415 - seconds to import: only where this engine is made
-
+        deepspeed = _import_deepspeed()
         ensure_process_group()
         _, world = rank_and_world()
         self.model = model
@@ -204,7 +205,7 @@ class DeepSpeedEngine:
         specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [("rng/torch", rng.dtype, tuple(rng.shape))]
         producers: list[Any] = [lambda: rng]
         trainable = trainable_parameters(self.model)
-        stepped = any(flat in self.engine.optimizer.optimizer.state for flat in self._flat_partitions())
+        stepped = self._stepped()
         for name, param in trainable.items():
             shape = tuple(full_shape(param))
             for key in ("exp_avg", "exp_avg_sq") if stepped else ():
@@ -220,52 +221,109 @@ class DeepSpeedEngine:
     def export_state(self) -> TrainState:
         return collect(self.state_stream())
 
+    def shard_stream(self) -> ShardStream:
+        """What this rank holds of the state, for the sharded save (no collective): ZeRO-1/2/3
+        each parameter's range in this rank's flat partitions (``_pieces``); ZeRO-0, whose
+        state every rank holds whole, an even split of it."""
+        if self.zero_stage == 0:
+            return replicated_stream(
+                self.model, self.optimizer, self.scheduler, self._zero0_masters(), *rank_and_world()
+            )
+        stepped = self._stepped()
+        steps = dict.fromkeys(trainable_parameters(self.model), self._base_step()) if stepped else {}
+        meta = {"scheduler": scheduler_state(self.scheduler), "steps": steps}
+        return ShardStream.of(self._pieces(moments=stepped, masters=self.bf16), meta)
+
     def import_state(self, state: TrainState) -> None:
         """The moments, steps, scheduler and RNG; with bf16 the saved fp32 masters too, then
         rounded into the bf16 weights as DeepSpeed's step does (a state without masters
-        keeps the masters DeepSpeed made from the bf16 weights)."""
+        keeps the masters DeepSpeed made from the bf16 weights). ZeRO-1/2/3: each rank reads
+        only its ranges of the state (``_pieces``), whatever number of ranks saved it."""
         if self.zero_stage == 0:
             if restore_state(state, self.model, self.optimizer, self.scheduler, self._zero0_masters()):
                 self._weights_from_masters()
             return
-        from deepspeed.utils import safe_set_full_fp32_param  # noqa: PLC0415
-
         trainable = trainable_parameters(self.model)
         shapes = {name: full_shape(param) for name, param in trainable.items()}
         if problem := state_mismatch(state, shapes):
             raise ValueError(problem)
-        if state.meta["steps"]:  # none: saved before the first step, the optimizer stays fresh
-            self._import_moments(state, trainable)
-        masters = saved_masters(state, trainable) if self.bf16 else None
-        if masters is not None:
-            for name, param in trainable.items():
-                safe_set_full_fp32_param(param, masters[name])  # this rank's partition of it
+        stepped = bool(state.meta["steps"])  # none: saved before the first step, the optimizer stays fresh
+        if stepped:
+            self._create_moments(next(iter(state.meta["steps"].values())))
+        masters = self.bf16 and saved_masters(state, trainable) is not None
+        with torch.no_grad():
+            for piece in self._pieces(moments=stepped, masters=masters):
+                piece.view().copy_(read_range(state.tensors, piece.name, piece.start, piece.stop))
+        if masters:
             self._weights_from_masters()
         restore_scheduler(self.scheduler, self.engine.optimizer, state.meta)
         torch.set_rng_state(state.tensors["rng/torch"])
 
-    def _import_moments(self, state: TrainState, trainable: dict[str, torch.nn.Parameter]) -> None:
-        """Adam's moments and step count into this rank's flat partitions. AdamW creates its
-        moments at the first step: create them as it would (zeros) on the flat partitions.
-        ZeRO-1/2 link per-parameter views of them only then: link them with DeepSpeed's own
-        lazy hook (0.19); ZeRO-3 reads the flat state directly."""
-        from deepspeed.utils import safe_set_full_optimizer_state  # noqa: PLC0415
-
+    def _create_moments(self, step: float) -> None:
+        """AdamW creates its moments at the first step: create them as it would (zeros) on
+        the flat partitions, with the saved step count. ZeRO-1/2 link per-parameter views of
+        them only then: link them with DeepSpeed's own lazy hook (0.19); ZeRO-3 reads the
+        flat state directly."""
         base = self.engine.optimizer.optimizer
         for flat in self._flat_partitions():
             base.state[flat] = {
-                "step": torch.tensor(0.0),
+                "step": torch.tensor(step),
                 "exp_avg": torch.zeros_like(flat),
                 "exp_avg_sq": torch.zeros_like(flat),
             }
         if self.zero_stage < 3:
             self.engine.optimizer._lazy_init_hp_params_optimizer_state()
-        for name, param in trainable.items():
-            for key in ("exp_avg", "exp_avg_sq"):
-                safe_set_full_optimizer_state(param, state.tensors[f"optim/{name}/{key}"].clone(), key)
-        step = next(iter(state.meta["steps"].values()), 0.0)
-        for slot in base.state.values():
-            slot["step"] = torch.tensor(step)
+
+    def _pieces(self, moments: bool, masters: bool) -> list[Piece]:
+        """ZeRO-1/2/3: for every trainable parameter, its moments (``moments``) and fp32
+        master (``masters``) as this rank holds them: the range [start, stop) of the
+        parameter flattened that this rank's partition holds, and a view of it in the flat
+        fp32 partition (what is written at a save, and set at a restore)."""
+        pieces = []
+        for name, param in trainable_parameters(self.model).items():
+            shape = tuple(full_shape(param))
+            start, stop = self._held_range(param)
+            kinds = [*(("exp_avg", "exp_avg_sq") if moments else ()), *((None,) if masters else ())]
+            for key in kinds:
+                label = f"optim/{name}/{key}" if key else f"master/{name}"
+                view = partial(self._held_view, param, key, stop - start)
+                pieces.append(Piece(label, torch.float32, shape, start, stop, view))
+        return pieces
+
+    def _held_range(self, param: Any) -> tuple[int, int]:
+        """The range of ``param`` flattened that this rank's partition holds (DeepSpeed
+        0.19.8). ZeRO-1/2: the fragment ``link_hp_params`` maps it to, ``_hp_mapping``'s
+        ``lp_fragment_address`` (utils/tensor_fragment.py:378-401: the overlap of the
+        parameter with this rank's slice of its group's flat buffer; None where there is
+        none; alignment padding belongs to no parameter). ZeRO-3: every parameter is split
+        alone, padded to a multiple of the ranks, ``partition_numel`` elements a rank, rank r
+        holding [r * numel, (r + 1) * numel) (runtime/zero/partition_parameters.py:1690-1700,
+        1816-1817; stage3.py:3183-3200 sets a whole value the same way), less the padding
+        past the parameter's end."""
+        if self.zero_stage < 3:
+            mapping = getattr(param, "_hp_mapping", None)
+            if mapping is None:
+                return 0, 0
+            address = mapping.lp_fragment_address
+            return address.start, address.start + address.numel
+        rank = rank_and_world()[0]
+        size = param.partition_numel()
+        return min(rank * size, param.ds_numel), min((rank + 1) * size, param.ds_numel)
+
+    def _held_view(self, param: Any, key: str | None, length: int) -> torch.Tensor:
+        """The live fp32 view of this rank's range of ``param``: its master weights
+        (``key`` None) or moment ``key``. ZeRO-1/2: the fragment's view into the flat
+        partition or its state (tensor_fragment.py:36-58). ZeRO-3: the ``narrow`` of the flat
+        partition or its state that DeepSpeed's local API reads (stage3.py:3150-3168),
+        taken where it lives (the API's ``safe_get_local_*`` copies it to the accelerator,
+        stage3.py:3238-3245, and a copy of an offloaded partition would take no restore),
+        less its padding."""
+        if length == 0:
+            return torch.empty(0)
+        if self.zero_stage < 3:
+            return param._hp_mapping.get_hp_fragment(key)
+        local, _ = self.engine.optimizer._get_fp32_opt_state_partition(param, False, key)
+        return local.narrow(0, 0, length)
 
     def _zero0_masters(self) -> dict[str, torch.Tensor] | None:
         """ZeRO-0 with bf16: the fp32 copy that DeepSpeed's ``FP16_UnfusedOptimizer`` keeps
@@ -311,6 +369,10 @@ class DeepSpeedEngine:
         if self.zero_stage == 3:
             return list(wrapper.fp32_partitioned_groups_flat)
         return [flat for group in wrapper.optimizer.param_groups for flat in group["params"]]
+
+    def _stepped(self) -> bool:
+        """Whether the optimizer has stepped (made its moments) yet."""
+        return any(flat in self.engine.optimizer.optimizer.state for flat in self._flat_partitions())
 
     def _base_step(self) -> float:
         slots = list(self.engine.optimizer.optimizer.state.values())
@@ -409,3 +471,25 @@ def ensure_process_group() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed checks that a launcher set it
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def zero3_load_config(group: WorkerGroup, config: DrmasConfig) -> dict[str, Any]:
+    """The DeepSpeed config this group's ZeRO-3 engine is made with, for a model built
+    partitioned under ``deepspeed.zero.Init`` (``drmas.models.load_model_partitioned``), so
+    that ``deepspeed.initialize`` takes its partitions as they are; with DeepSpeed's
+    distributed wrapper ready, as ``zero.Init`` needs it."""
+    deepspeed = _import_deepspeed()
+    ensure_process_group()
+    # zero.Init reads the config's batch size against DeepSpeed's world size, which is 1
+    # until DeepSpeed wraps the process group (as deepspeed.initialize does first).
+    deepspeed.init_distributed()
+    return deepspeed_config(config, group, rank_and_world()[1])
+
+
+def _import_deepspeed() -> Any:
+    """DeepSpeed, on the CPU accelerator where there is no GPU (it picks one when imported);
+    seconds to import: only where a DeepSpeed engine or model is made."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    import deepspeed  # noqa: PLC0415
+
+    return deepspeed

@@ -23,6 +23,7 @@ from drmas.training.engines.base import (
     trainable_parameters,
     training_device,
 )
+from drmas.training.shards import ShardStream, replicated_stream
 from drmas.training.state import StateStream, TrainState, collect, restore_state, stream_state
 
 __all__ = ["TorchEngine"]
@@ -103,6 +104,12 @@ class TorchEngine:
 
     def state_stream(self) -> StateStream:
         return stream_state(self.model, self.optimizer, self.scheduler, self._separate_masters())
+
+    def shard_stream(self) -> ShardStream:
+        """Every rank holds the whole state: each writes an even share of it."""
+        return replicated_stream(
+            self.model, self.optimizer, self.scheduler, self._separate_masters(), *rank_and_world()
+        )
 
     def export_state(self) -> TrainState:
         return collect(self.state_stream())
