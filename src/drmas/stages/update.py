@@ -163,7 +163,7 @@ def update_rank(
 
     from drmas.generation.lora import merge_lora  # noqa: PLC0415
     from drmas.stages.optimizer_store import store_shards  # noqa: PLC0415
-    from drmas.training.engines import rank_and_world, wait_for_all  # noqa: PLC0415
+    from drmas.training.engines import ALONE_WAIT_S, rank_and_world, wait_for_all  # noqa: PLC0415
     from drmas.training.loop import train_worker_group  # noqa: PLC0415
     from drmas.training.lora import adapter_config, split_weights  # noqa: PLC0415
 
@@ -196,7 +196,7 @@ def update_rank(
         saved = Path(scratch) / "out"
         meta = {"stage": "update", "iteration": iteration, "wg": wg, "cache_key": cache_key}
         if config.stores_optimizer(iteration):
-            store_shards(engine.shard_stream(), store, out_optim, overwrite, meta, saved / "optim", ARTIFACT_WAIT_S)
+            store_shards(engine.shard_stream(), store, out_optim, overwrite, meta, saved / "optim", ALONE_WAIT_S)
         if held.lora_base is not None and worker is not None:  # its engine takes the merged weights
             weights = merge_lora(*split_weights(model), adapter_config(model))
         if rank == 0:
@@ -209,7 +209,7 @@ def update_rank(
                 out.put_dir(saved / "policy", "")
                 out.write_json("metrics.json", metrics)
         if world > 1:  # every rank returns the artifact: it exists once they do
-            wait_for_all(ARTIFACT_WAIT_S)
+            wait_for_all(ALONE_WAIT_S)
         if worker is not None:
             worker.adopt(weights if weights is not None else model.state_dict(), PolicyRef(out_policy))
             held.policy, held.optim = PolicyRef(out_policy), PolicyRef(out_optim)
@@ -217,15 +217,6 @@ def update_rank(
             held.offload()
             worker.keep_training(held)
     return StageResult(out_policy, metrics)
-
-
-ARTIFACT_WAIT_S = 6 * 3600.0
-"""How long ranks wait for each other to download a cold update's policy, to store the
-update's policy (rank 0) and at a checkpoint the optimizer state (each rank its shard: 56
-GB over the ranks for the math recipe, an hour at 15 MB/s on one). The group's own
-collectives time out after 10 minutes,
-which aborted them while rank 0 uploaded; a rank that fails makes the pool rebuild the
-group, which ends the wait sooner."""
 
 
 def _start_training(
@@ -248,7 +239,7 @@ def _start_training(
 
     from drmas.generation.lora import lora_base, read_adapter  # noqa: PLC0415
     from drmas.models import load_tokenizer  # noqa: PLC0415
-    from drmas.training.engines import make_engine, wait_for_all  # noqa: PLC0415
+    from drmas.training.engines import ALONE_WAIT_S, make_engine, wait_for_all  # noqa: PLC0415
     from drmas.training.lora import BaseReference, with_lora  # noqa: PLC0415
 
     local = store.open(policy.artifact).download(scratch / "policy", prefix=policy.prefix)
@@ -261,7 +252,7 @@ def _start_training(
     # Each rank downloads at the store's pace (a 7B policy: 15 GB): the ranks meet on a group
     # with a long timeout of its own, not in the first collective, which times out after 10
     # minutes (ZeRO-3's partitioned load is one).
-    wait_for_all(ARTIFACT_WAIT_S)
+    wait_for_all(ALONE_WAIT_S)
     model = load_training_model(whole, group, config)
     prepare_for_training(model, config.train.gradient_checkpointing)
     record = None
@@ -274,6 +265,7 @@ def _start_training(
     engine = make_engine(model, group, config)
     if optim is not None:
         import_stored_state(engine, store, optim, scratch / "optim")
+        wait_for_all(ALONE_WAIT_S)  # each rank downloaded its shards at the store's pace
     else:  # the first update: its RNG (saved with the state) must not depend on the process's past
         torch.manual_seed(zlib.crc32(f"{config.experiment.seed}/{group.name}".encode()))
     if record is not None and config.algorithm.kl_coef:

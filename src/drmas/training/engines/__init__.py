@@ -13,11 +13,19 @@ from __future__ import annotations
 from torch import nn
 
 from drmas.config import DrmasConfig, WorkerGroup
-from drmas.training.engines.base import TrainEngine, full_shape, rank_and_world, training_device, wait_for_all
+from drmas.training.engines.base import (
+    ALONE_WAIT_S,
+    TrainEngine,
+    full_shape,
+    rank_and_world,
+    training_device,
+    wait_for_all,
+)
 from drmas.training.engines.deepspeed import DeepSpeedEngine, zero3_load_config
 from drmas.training.engines.torch import TorchEngine
 
 __all__ = [
+    "ALONE_WAIT_S",
     "TrainEngine",
     "full_shape",
     "make_engine",

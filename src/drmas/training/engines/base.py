@@ -19,6 +19,7 @@ from drmas.training.shards import ShardStream
 from drmas.training.state import StateStream, TrainState
 
 __all__ = [
+    "ALONE_WAIT_S",
     "TrainEngine",
     "adamw",
     "exchange_json",
@@ -39,6 +40,15 @@ def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+ALONE_WAIT_S = 6 * 3600.0
+"""How long ranks wait for one another's work alone, on a group of its own (``wait_for_all``,
+``host_group``): a cold update's downloads of the policy and of each rank's optimizer
+shards, rank 0's store of the policy, every rank's upload of its shard (56 GB over the
+ranks for the math recipe: an hour at 15 MB/s on one). The process group's own
+collectives time out after 10 minutes, which aborted them while one rank worked; a rank
+that fails makes the pool rebuild the group, which ends the wait sooner."""
 
 
 def wait_for_all(timeout_s: float) -> None:
