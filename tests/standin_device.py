@@ -5,9 +5,10 @@ the same device"); a CPU has one device, so nothing is refused and a missing ``.
 goes unseen. ``StandInDevice`` plays the second device: ``torch.device("cpu", 0)``, which
 computes on the CPU like ``cpu`` but is a different device object. Under it (a
 ``TorchFunctionMode``), a tensor is *on the device* when it came from ``.to(that device)``
-(a module moved there included), from a factory given ``device=`` it, or from an op with
-such an input; ``tensor.device`` then says so. Every op that drmas code calls itself and
-that mixes tensors on the device with tensors off it is recorded as a violation, as a GPU
+(a module moved there included), from a factory given ``device=`` it, from an op with
+such an input, or when its ``.data`` is set to such a tensor (as ZeRO-3 moves
+parameters); ``tensor.device`` then says so. Every op that drmas code calls itself and that
+mixes tensors on the device with tensors off it is recorded as a violation, as a GPU
 would refuse it (a 0-dim CPU tensor may mix, as on CUDA). Ops inside torch, transformers or
 DeepSpeed are not checked: their placement is theirs, and only a GPU can check it.
 """
@@ -58,6 +59,8 @@ class StandInDevice(TorchFunctionMode):
         if not moves and getattr(func, "__name__", "") not in ALLOWED_ACROSS and _called_from_drmas():
             self._check(func, tensors)
         result = func(*args, **kwargs)
+        if getattr(func, "__name__", "") == "__set__" and len(args) == 2 and isinstance(args[1], torch.Tensor):
+            self._assigned(args[0], args[1])  # ``param.data = tensor``: the param is where its data is
         if moves or (not leaves_device and any(self.on_device(t) for t in tensors)):
             for out in pytree.tree_leaves(result):
                 if isinstance(out, torch.Tensor):
@@ -65,6 +68,14 @@ class StandInDevice(TorchFunctionMode):
             if moves and func in MOVES and isinstance(args[0], torch.nn.Parameter):
                 self._on[id(args[0])] = weakref.ref(args[0])  # Module.to keeps the Parameter object
         return result
+
+    def _assigned(self, tensor: Any, data: torch.Tensor) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            return
+        if self.on_device(data):
+            self._on[id(tensor)] = weakref.ref(tensor)
+        else:
+            self._on.pop(id(tensor), None)
 
     def _check(self, func: Any, tensors: list[torch.Tensor]) -> None:
         on = [t for t in tensors if self.on_device(t)]

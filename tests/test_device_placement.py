@@ -119,8 +119,10 @@ from test_device_placement import watched_update
 
 accelerator = get_accelerator()
 with pytest.MonkeyPatch.context() as monkeypatch:
-    # DeepSpeed's engine takes its device from its accelerator (_set_distributed_vars).
+    # DeepSpeed's engine takes its device from its accelerator (_set_distributed_vars), and
+    # ZeRO-3's partitioned build (zero.Init) gathers onto its current device.
     monkeypatch.setattr(accelerator, "device_name", lambda index=None: str(STANDIN))
+    monkeypatch.setattr(accelerator, "current_device_name", lambda: str(STANDIN))
     seen = watched_update(__import__("pathlib").Path(sys.argv[2]), monkeypatch, *sys.argv[3:])
 print("ENGINE", sorted({str(d) for d in seen["engine"]}))
 print("FORWARD", sorted({str(d) for d in seen["forward"]}), len(seen["forward"]))

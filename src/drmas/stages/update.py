@@ -203,7 +203,10 @@ def update_rank(
             if held.lora_base is not None:
                 _save_adapter(model, held.lora_base, saved / "policy")
             else:
-                model.save_pretrained(saved / "policy", safe_serialization=True, state_dict=weights)
+                # A copy: save_pretrained empties the state dict it is handed (a model built
+                # under zero.Init), and the engine takes these weights next.
+                given = dict(weights) if weights is not None else None
+                model.save_pretrained(saved / "policy", safe_serialization=True, state_dict=given)
             tokenizer.save_pretrained(saved / "policy")
             with store.writer(out_policy, overwrite=overwrite, meta=meta) as out:
                 out.put_dir(saved / "policy", "")
