@@ -15,12 +15,19 @@ partition plus one whole tensor is well below the whole model.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
+import transformers
 from helpers import ROOT, torch_env, torch_launcher
+from packaging.version import Version
 
 RANKS = 2
+GPU_IMAGE_TRANSFORMERS = re.search(
+    r"^transformers==(\S+)", (ROOT / "images" / "gpu-pins.txt").read_text(), flags=re.MULTILINE
+).group(1)
+"""The GPU image's transformers (images/gpu-pins.txt), under which the bf16 update matches."""
 OVERRIDES = [
     "models.tiny.hidden_size=256",
     "models.tiny.intermediate_size=1024",
@@ -161,9 +168,12 @@ def test_the_gathered_partitions_are_the_files_weights(dtype, measured):
         pytest.param(
             "bfloat16",
             marks=pytest.mark.xfail(
+                Version(transformers.__version__) > Version(GPU_IMAGE_TRANSFORMERS),
                 strict=True,
-                reason="bf16 (11.9M model): the same loss, but the step's gradient norm differs by 4e-4 "
-                "relative and some weights by one bf16 step; not yet explained (the 1.7M model matched)",
+                reason=f"bf16 (11.9M model) under transformers {transformers.__version__}: the same "
+                "loss, but the step's gradient norm differs by 4e-4 relative and some weights by one "
+                f"bf16 step; under the GPU image's {GPU_IMAGE_TRANSFORMERS} (make test-gpu-pins) it "
+                "matches to the bit. Not yet explained (the 1.7M model matched under both)",
             ),
         ),
     ],
