@@ -21,11 +21,12 @@ def advantage(
     from drmas.infra.layout import METRICS_FILE
     from drmas.stages.advantage import advantage as advantage_stage
     from drmas.stages.contracts import AdvantageContract, cache_key
-    from drmas.stages.io import expect_input, open_stage, publish, publish_metrics, reuse_or_compute
+    from drmas.stages.io import check_inputs, expect_input, open_stage, publish, publish_metrics, reuse_or_compute
 
     config, store = open_stage(config_json)
     contract = AdvantageContract(run_id, iteration)
     expect_input(trajectories, contract.inputs(config)["rollout"], store, f"the advantage of iteration {iteration}")
+    check_inputs(store, run_id, f"the advantage of iteration {iteration}", trajectories)
     key = cache_key(config, store, contract)
     path = contract.output(config)
 

@@ -32,23 +32,25 @@ def checkpoint(
     """Write ``iter-{i}/checkpoint`` naming every worker group's new policy and optimizer
     state (one ``update_k`` per worker group) with the iteration's metrics; the output is
     the policy set the next iteration starts from."""
-    from drmas.infra.layout import METRICS_FILE, iteration_path, optim_path, policy_path
+    from drmas.infra.layout import METRICS_FILE, current_update, iteration_path
     from drmas.stages.checkpoint import checkpoint as checkpoint_stage
     from drmas.stages.checkpoint import training_metrics
     from drmas.stages.contracts import CheckpointContract, cache_key
-    from drmas.stages.io import open_stage, policy_set, publish, publish_metrics, reuse_or_compute
+    from drmas.stages.io import check_inputs, open_stage, policy_set, publish, publish_metrics, reuse_or_compute
 
     config, store = open_stage(config_json)
     experiment = config.experiment.name
     updates = [
         u for u in (update_0, update_1, update_2, update_3, update_4, update_5, update_6, update_7) if u is not None
     ]
+    check_inputs(store, run_id, f"the checkpoint of iteration {iteration}", *updates)
     given = {u.metadata["wg"]: u.metadata["artifact"] for u in updates}
     groups = [group.name for group in config.worker_groups()]
-    expected = {wg: policy_path(experiment, run_id, iteration, wg) for wg in groups}
+    current = {wg: current_update(store, experiment, run_id, iteration, wg) for wg in groups}
+    expected = {wg: policy for wg, (policy, _) in current.items()}
     if given != expected:
         raise ValueError(f"the checkpoint of iteration {iteration} needs the updates {expected}, got {given}")
-    optims = {wg: optim_path(experiment, run_id, iteration, wg) for wg in groups}
+    optims = {wg: optim for wg, (_, optim) in current.items()}
     contract = CheckpointContract(run_id, iteration)
     key = cache_key(config, store, contract)
     path = contract.output(config)

@@ -28,9 +28,10 @@ def evaluate(
     from drmas.infra.layout import METRICS_FILE, PolicyRef
     from drmas.stages.contracts import EvaluateContract, cache_key, evaluation_config
     from drmas.stages.evaluate import evaluate as evaluate_stage
-    from drmas.stages.io import open_stage, publish, publish_metrics, reuse_or_compute
+    from drmas.stages.io import check_inputs, open_stage, publish, publish_metrics, reuse_or_compute
 
     config, store = open_stage(config_json)
+    check_inputs(store, run_id, "the evaluation", policies)
     refs = {wg: PolicyRef(**ref) for wg, ref in policies.metadata["policies"].items()}
     iteration = int(policies.metadata["iteration"])  # KFP metadata numbers come back as floats
     contract = EvaluateContract(policies.metadata["home"], refs, label)

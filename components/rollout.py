@@ -28,10 +28,11 @@ def rollout(
     from drmas.generation.pool import PoolOnDemand
     from drmas.infra.layout import METRICS_FILE, PolicyRef
     from drmas.stages.contracts import RolloutContract, cache_key
-    from drmas.stages.io import open_stage, publish, publish_metrics, reuse_or_compute
+    from drmas.stages.io import check_inputs, open_stage, publish, publish_metrics, reuse_or_compute
     from drmas.stages.rollout import rollout as rollout_stage
 
     config, store = open_stage(config_json)
+    check_inputs(store, run_id, f"the rollout of iteration {iteration}", policies)
     refs = {wg: PolicyRef(**ref) for wg, ref in policies.metadata["policies"].items()}
     contract = RolloutContract(run_id, iteration, refs)
     key = cache_key(config, store, contract)

@@ -32,7 +32,15 @@ from conftest import BASELINE_RUN, BASELINE_SETTINGS, BaselineRun
 
 from drmas.config import load_config
 from drmas.infra.faults import KILL_AT
-from drmas.infra.layout import optim_path, policy_path, run_path, run_record_path, stage_path, warmstart_path
+from drmas.infra.layout import (
+    current_update,
+    optim_path,
+    policy_path,
+    run_path,
+    run_record_path,
+    stage_path,
+    warmstart_path,
+)
 from drmas.infra.store import MANIFEST, ArtifactNotFound, Store
 from drmas.stages.iteration import ITERATION_STAGES, Step, iteration_steps
 
@@ -213,16 +221,20 @@ def final_state(store: Store, run: str) -> dict[str, bytes]:
     for iteration in range(ITERATIONS):
         for group in CONFIG.worker_groups():
             wg = group.name
-            policy = store.open(policy_path(EXPERIMENT, run, iteration, wg))
+            newest_policy, newest_optim = current_update(store, EXPERIMENT, run, iteration, wg)  # computed again
+            policy = store.open(newest_policy)
             state[f"{iteration}/policy/{wg}"] = policy.read_bytes("model.safetensors")
-            optim = store.open(optim_path(EXPERIMENT, run, iteration, wg))
+            optim = store.open(newest_optim)
             state |= {f"{iteration}/optim/{wg}/{name}": optim.read_bytes(name) for name in sorted(optim.files)}
         state[f"{iteration}/eval"] = store.open(stage_path(EXPERIMENT, run, iteration, "evaluate")).read_bytes(
             "eval.parquet"
         )
         metrics = store.open(stage_path(EXPERIMENT, run, iteration, "checkpoint")).read_json("metrics.json")
         steady = {
-            k: v for k, v in metrics.items() if not k.startswith("time/") and not k.endswith(("/time", "tokens_per_s"))
+            k: v
+            for k, v in metrics.items()
+            # the version: a killed update is computed again beside what it left
+            if not k.startswith("time/") and not k.endswith(("/time", "tokens_per_s", "/policy_version"))
         }
         state[f"{iteration}/metrics"] = json.dumps(steady, sort_keys=True).encode()
     return state
@@ -266,7 +278,8 @@ and evaluation results are still compared byte for byte; counts and rewards exac
 
 def _same(mine: object, theirs: object) -> bool:
     if isinstance(mine, float) and isinstance(theirs, float):
-        return math.isclose(mine, theirs, rel_tol=FORWARD_NOISE, abs_tol=FORWARD_NOISE)
+        both_undefined = math.isnan(mine) and math.isnan(theirs)  # a statistic of a one-row group
+        return both_undefined or math.isclose(mine, theirs, rel_tol=FORWARD_NOISE, abs_tol=FORWARD_NOISE)
     return mine == theirs
 
 

@@ -22,7 +22,8 @@ from conftest import BASELINE_RUN, BASELINE_SETTINGS, BaselineRun
 from helpers import TINY_OVERRIDES, refuse_ray
 
 from drmas.cli import main
-from drmas.infra.store import MANIFEST
+from drmas.infra.layout import current_update
+from drmas.infra.store import MANIFEST, Store
 from drmas.training.shards import shard_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -60,8 +61,12 @@ def drmas_here(capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str,
 
 
 def weights(root: Path, run: str) -> dict[str, bytes]:
-    folder = root / "math-tiny" / run / LAST / "policy"
-    return {wg: (folder / wg / "model.safetensors").read_bytes() for wg in ("solver", "verifier")}
+    """The last iteration's policies, each its newest version (an update computed again)."""
+    store = Store(str(root))
+    newest = {
+        wg: current_update(store, "math-tiny", run, int(LAST.split("-")[1]), wg)[0] for wg in ("solver", "verifier")
+    }
+    return {wg: store.open(path).read_bytes("model.safetensors") for wg, path in newest.items()}
 
 
 def test_the_uninterrupted_run_reports_tracks_and_reruns_a_stage_alone(
@@ -110,7 +115,8 @@ def test_kill_and_resume_equals_uninterrupted(baseline_run: BaselineRun, tmp_pat
     assert "iterations 0-0 are checkpointed, but their optimizer states were held only by the pool" in resumed.stdout
     assert "iter 0:" in resumed.stdout and "iter 1:" in resumed.stdout
     rewritten = {kind: (cut_dir / "iter-000000" / kind / MANIFEST).stat().st_mtime_ns for kind in written}
-    assert rewritten["rollout"] == written["rollout"] and rewritten["policy/solver"] != written["policy/solver"]
+    assert rewritten == written  # the policy computed again went beside the first, never over it
+    assert (cut_dir / "iter-000000" / "policy" / "solver@v2" / MANIFEST).exists()
     assert weights(tmp_path / "runs", "cut") == weights(baseline_run.root, BASELINE_RUN)
     assert sorted(path.parent.parent.parent.name for path in cut_dir.glob(f"iter-*/optim/*/{MANIFEST}")) == [LAST] * 2
 

@@ -22,6 +22,8 @@ from drmas.infra.lease import LEASE_FILE, RunBusy, RunLease, stage_lease
 from drmas.infra.store import Store
 from drmas.stages.contracts import StageContract
 from drmas.stages.io import (
+    InputNotStored,
+    check_inputs,
     expect_input,
     open_stage,
     policy_set,
@@ -109,6 +111,8 @@ def test_publish_takes_a_given_fingerprint_for_an_output_that_is_not_one_artifac
 
 
 def test_policy_set_names_each_group_policy_and_optimizer_state(store):
+    write(store, "exp/r/iter-000001/policy/solver", {"model.safetensors": b"s"})
+    write(store, "init/verifier", {"model/model.safetensors": b"v"})
     extra = policy_set(
         store,
         "exp/r/iter-000001",
@@ -123,7 +127,54 @@ def test_policy_set_names_each_group_policy_and_optimizer_state(store):
         },
         "optims": {"solver": {"artifact": "exp/r/iter-000001/optim/solver", "prefix": ""}, "verifier": None},
         "policy_uris": {"solver": store.uri("exp/r/iter-000001/policy/solver"), "verifier": store.uri("init/verifier")},
+        "fingerprints": {
+            "exp/r/iter-000001/policy/solver": store.fingerprint("exp/r/iter-000001/policy/solver", (METRICS_FILE,)),
+            "init/verifier": store.fingerprint("init/verifier", (METRICS_FILE,)),
+        },
     }
+
+
+# --------------------------------------------------------------------------------------
+# inputs that KFP's cache still points at (issue 29 §5)
+# --------------------------------------------------------------------------------------
+
+
+def test_an_input_gone_from_the_store_is_refused_with_the_command_that_recomputes_it(store, tmp_path):
+    """A store cleared under KFP's cache: the cached task's pointer names an artifact that
+    is gone. The stage says which, and how to recompute it, before it reads anything."""
+    write(store, OUT, {"batch.parquet": b"rows"})
+    batch = FakeArtifact(tmp_path / "batch.json")
+    publish(store, OUT, batch, 3)
+    check_inputs(store, "r", "the update of solver in iteration 3", batch)  # there: accepted
+    store.delete(OUT)
+    with pytest.raises(InputNotStored) as refused:
+        check_inputs(store, "r", "the update of solver in iteration 3", batch)
+    assert str(refused.value) == (
+        f"the update of solver in iteration 3: its input {store.uri(OUT)} is not in the store, though the task "
+        "that wrote it is done (KFP reused it from its cache: the store was cleared, or this is another "
+        "bucket); recompute it with: drmas submit CONFIG --run-id r --force advantage@3"
+    )
+
+
+def test_an_input_rewritten_since_its_task_ran_is_refused(store, tmp_path):
+    """A policy recomputed in place after a checkpoint recorded it: the checkpoint's policy
+    set names content that is no longer there; metrics alone may change."""
+    policy = "exp/r/iter-000002/policy/solver"
+    write(store, policy, {"model.safetensors": b"first"}, metrics={"loss": 1.0})
+    policies = FakeArtifact(
+        tmp_path / "policies.json", metadata=policy_set(store, "exp/r", {"solver": (policy, "")}, {})
+    )
+    write(store, policy, {"model.safetensors": b"first"}, metrics={"loss": 2.0})
+    check_inputs(store, "r", "the rollout of iteration 3", policies)
+    write(store, policy, {"model.safetensors": b"again"})
+    with pytest.raises(
+        InputNotStored,
+        match=r"policy/solver was rewritten since the task that wrote it ran .* --force update/solver@2$",
+    ):
+        check_inputs(store, "r", "the rollout of iteration 3", policies)
+    store.delete(policy)
+    with pytest.raises(InputNotStored, match=r"not in the store.*--force update/solver@2$"):
+        check_inputs(store, "r", "the evaluation", policies)
 
 
 # --------------------------------------------------------------------------------------
@@ -339,3 +390,6 @@ def test_the_advantage_component_body_on_fake_artifacts(tmp_path, monkeypatch, c
     ]
     with pytest.raises(ValueError, match="the advantage of iteration 0 reads .* but was given"):
         call(artifact=stage_path(config.experiment.name, "r", 1, "rollout"))
+    store.delete(source)  # the store cleared under KFP's cache (issue 29 §5)
+    with pytest.raises(InputNotStored, match=r"iteration 0: its input .* is not in the store.*--force rollout@0$"):
+        call()

@@ -425,7 +425,7 @@ def _eval(args: argparse.Namespace) -> int:
     from drmas.generation.ray_session import ray_session  # noqa: PLC0415
     from drmas.infra.layout import (  # noqa: PLC0415
         PolicyRef,
-        policy_path,
+        current_update,
         stage_path,
     )
     from drmas.infra.store import Store  # noqa: PLC0415
@@ -453,7 +453,7 @@ def _eval(args: argparse.Namespace) -> int:
             metrics = store.open(path).read_json("metrics.json")
         else:
             policies = {
-                g.name: PolicyRef(policy_path(experiment, args.run_id, iteration, g.name))
+                g.name: PolicyRef(current_update(store, experiment, args.run_id, iteration, g.name)[0])
                 for g in config.worker_groups()
             }
             with ray_session(config), RayPool(config, store) as pool:

@@ -24,10 +24,9 @@ from drmas.infra.layout import (
     METRICS_FILE,
     PolicyRef,
     StageResult,
+    current_update,
     init_home,
     iteration_path,
-    optim_path,
-    policy_path,
     run_record_path,
     stage_path,
 )
@@ -153,19 +152,19 @@ def run_iteration(
     for step in steps:
         contract, compute = _stage_call(step, config, store, run_id, policies, optims, reference, pool, out)
         key = cache_key(config, store, contract)
-        path = contract.output(config)
         metrics: dict[str, float] = {}
         if step.name in force or step.stage in force or not reuses(config, store, contract, key):
             metrics = compute(key).metrics
             out.recomputed.append(step.name)
-        elif METRICS_FILE in store.open(path).files:
+        path = contract.stored_output(config, store)  # an update computed again: its new version
+        if step.name not in out.recomputed and METRICS_FILE in store.open(path).files:
             metrics = store.open(path).read_json(METRICS_FILE)
         out.metrics.update(as_final(metrics) if step.variant == FINAL else metrics)
         out.ran.append(step.name)
         if step.stage == "update":
             assert isinstance(contract, UpdateContract) and step.wg is not None
             out.stages[f"policy/{step.wg}"] = path
-            out.stages[f"optim/{step.wg}"] = contract.optim_output(config)
+            out.stages[f"optim/{step.wg}"] = contract.stored_optim_output(config, store)
             out.policies[step.wg] = PolicyRef(path)
             out.optims[step.wg] = PolicyRef(out.stages[f"optim/{step.wg}"])
         else:
@@ -336,8 +335,9 @@ def rerun(
         raise ValueError(f"run {run_id} has no checkpoint for iteration {iteration}: nothing to rerun")
     groups = [group.name for group in config.worker_groups()]
     if iteration > 0:
-        policies = {wg: PolicyRef(policy_path(experiment, run_id, iteration - 1, wg)) for wg in groups}
-        optims = {wg: PolicyRef(optim_path(experiment, run_id, iteration - 1, wg)) for wg in groups}
+        current = {wg: current_update(store, experiment, run_id, iteration - 1, wg) for wg in groups}
+        policies = {wg: PolicyRef(policy) for wg, (policy, _) in current.items()}
+        optims = {wg: PolicyRef(optim) for wg, (_, optim) in current.items()}
         if stage_name != "checkpoint" and not all(store.exists(ref.artifact) for ref in optims.values()):
             raise ValueError(
                 f"run {run_id}: the optimizer state of iteration {iteration - 1}, which the update of iteration "

@@ -10,24 +10,34 @@ drmas writes or reads is built here, and read back here (``split_iteration_path`
     {experiment}/{run_id}/iter-{i:06d}/advantage/      batch.parquet, metrics.json
     {experiment}/{run_id}/iter-{i:06d}/policy/{wg}/    the updated policy (HF layout)
     {experiment}/{run_id}/iter-{i:06d}/optim/{wg}/     optimizer, scheduler and RNG state
+    {experiment}/{run_id}/iter-{i:06d}/policy/{wg}@v2/ a recomputed update: version 2 (and on)
     {experiment}/{run_id}/iter-{i:06d}/checkpoint/     the commit: which policies, metrics
     {experiment}/{run_id}/iter-{i:06d}/evaluate/       eval.parquet, metrics.json
 
 Each is one artifact with its own manifest, so each stage's output appears whole or not at
 all; the checkpoint artifact, written after every worker group's policy and optimizer
 state, is what makes an iteration complete.
+
+An update's policy, once written, is never rewritten: a recomputation (a resubmitted part
+runs the updates since the last stored optimizer state again) writes the next version
+beside it, ``{wg}@v{n}`` with its optimizer state ``optim/{wg}@v{n}``, so that what a
+cached task or a logged metric came from stays in the store. Readers take the newest
+(``current_update``); a name never holds ``@`` (``NAME_PATTERN``).
 """
 
 from __future__ import annotations
 
+import posixpath
 import re
 from dataclasses import dataclass
+from typing import Protocol
 
 __all__ = [
     "FINAL_EVALUATION",
     "METRICS_FILE",
     "PolicyRef",
     "StageResult",
+    "current_update",
     "evaluation_path",
     "init_home",
     "init_policy_path",
@@ -39,6 +49,9 @@ __all__ = [
     "run_record_path",
     "split_iteration_path",
     "stage_path",
+    "stored_versions",
+    "version_number",
+    "versioned",
     "warmstart_path",
 ]
 
@@ -125,3 +138,46 @@ def split_iteration_path(path: str) -> tuple[str, int, str] | None:
     a path outside every iteration. The inverse of the builders above."""
     found = _ITERATION.fullmatch(path)
     return (found["run"], int(found["iteration"]), found["rest"] or "") if found else None
+
+
+_VERSION = re.compile(r"(?P<base>[^@]+)@v(?P<number>[2-9]|[1-9]\d+)")
+
+
+class Listing(Protocol):
+    """What version lookups need of a store: its complete artifacts under a prefix."""
+
+    def list(self, prefix: str = "") -> list[str]: ...
+
+
+def versioned(path: str, number: int) -> str:
+    """Version ``number`` of the artifact at ``path`` (1: ``path`` itself)."""
+    return path if number == 1 else f"{path}@v{number}"
+
+
+def version_number(path: str) -> int:
+    """Which version of its artifact ``path`` is (1 without ``@v``)."""
+    found = _VERSION.fullmatch(path)
+    return int(found["number"]) if found else 1
+
+
+def stored_versions(store: Listing, path: str) -> list[int]:
+    """The versions of the artifact at ``path`` that ``store`` holds complete, ascending."""
+    parent, name = posixpath.split(path)
+    found = []
+    for listed in store.list(parent):
+        rest = listed[len(parent) + 1 :] if parent else listed
+        version = _VERSION.fullmatch(rest)
+        if rest == name:
+            found.append(1)
+        elif version is not None and version["base"] == name:
+            found.append(int(version["number"]))
+    return sorted(found)
+
+
+def current_update(store: Listing, experiment: str, run_id: str, iteration: int, wg: str) -> tuple[str, str]:
+    """The policy and optimizer-state paths of the newest version of the update of ``wg``
+    in ``iteration`` (the first when none is stored; the state may be unstored, held by
+    the pool)."""
+    policy = policy_path(experiment, run_id, iteration, wg)
+    number = max(stored_versions(store, policy), default=1)
+    return versioned(policy, number), versioned(optim_path(experiment, run_id, iteration, wg), number)

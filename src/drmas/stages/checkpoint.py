@@ -27,12 +27,14 @@ from drmas.infra.layout import (
     METRICS_FILE,
     PolicyRef,
     StageResult,
+    current_update,
     init_policy_path,
     optim_path,
-    policy_path,
     run_path,
     split_iteration_path,
     stage_path,
+    stored_versions,
+    versioned,
 )
 from drmas.infra.store import MANIFEST, ArtifactNotFound, CorruptArtifact, Store
 from drmas.stages.iteration import evaluation_outputs
@@ -59,7 +61,7 @@ def training_metrics(config: DrmasConfig, store: Store, run_id: str, iteration: 
     in it, nor are a pod's start-up and waits."""
     experiment = config.experiment.name
     sources = [stage_path(experiment, run_id, iteration, stage) for stage in ("rollout", "advantage")]
-    sources += [policy_path(experiment, run_id, iteration, group.name) for group in config.worker_groups()]
+    sources += [current_update(store, experiment, run_id, iteration, g.name)[0] for g in config.worker_groups()]
     values: dict[str, float] = {}
     for source in sources:
         values |= store.open(source).read_json(METRICS_FILE)
@@ -84,8 +86,7 @@ def checkpoint(
     experiment = config.experiment.name
     groups = {}
     for group in config.worker_groups():
-        policy = policy_path(experiment, run_id, iteration, group.name)
-        optim = optim_path(experiment, run_id, iteration, group.name)
+        policy, optim = current_update(store, experiment, run_id, iteration, group.name)
         groups[group.name] = {
             "policy": policy,
             "policy_manifest": store.fingerprint(policy),
@@ -125,7 +126,9 @@ def prune_optimizer_states(config: DrmasConfig, store: Store, run_id: str, itera
     doomed = [i for i in older if i not in kept]
     for i in doomed:
         for group in config.worker_groups():
-            store.delete(optim_path(experiment, run_id, i, group.name))
+            state = optim_path(experiment, run_id, i, group.name)
+            for number in stored_versions(store, state):
+                store.delete(versioned(state, number))
     return doomed
 
 

@@ -36,6 +36,7 @@ from drmas.infra.layout import (
     FINAL_EVALUATION,
     METRICS_FILE,
     PolicyRef,
+    current_update,
     evaluation_path,
     init_policy_path,
     optim_path,
@@ -138,6 +139,16 @@ class StageContract(ABC):
     def reusable(self, config: DrmasConfig, store: Store) -> bool:
         """Beyond a cached output with the same key, whether the stage may be skipped."""
         return True
+
+    def stored_output(self, config: DrmasConfig, store: Store) -> str:
+        """The output as readers take it from the store: ``output``, or for an update the
+        newest version of it (``infra.layout.current_update``)."""
+        return self.output(config)
+
+    def stored_inputs(self, config: DrmasConfig, store: Store) -> dict[str, str]:
+        """The inputs as the store holds them now (``inputs``, the newest version of each
+        update the stage reads): what its key fingerprints."""
+        return self.inputs(config)
 
 
 def _policy_inputs(policies: Mapping[str, PolicyRef]) -> dict[str, str]:
@@ -305,7 +316,14 @@ class UpdateContract(StageContract):
     def reusable(self, config: DrmasConfig, store: Store) -> bool:
         """Only with its optimizer state stored: skipped, the update leaves no state in the
         pool for the next update to continue from."""
-        return store.exists(self.optim_output(config))
+        return store.exists(self.stored_optim_output(config, store))
+
+    def stored_output(self, config: DrmasConfig, store: Store) -> str:
+        return current_update(store, config.experiment.name, self.run_id, self.iteration, self.wg)[0]
+
+    def stored_optim_output(self, config: DrmasConfig, store: Store) -> str:
+        """The optimizer state of the newest version (stored or held by the pool)."""
+        return current_update(store, config.experiment.name, self.run_id, self.iteration, self.wg)[1]
 
 
 def evaluation_config(config: DrmasConfig, label: str) -> DrmasConfig:
@@ -361,6 +379,13 @@ class CheckpointContract(StageContract):
         policies = {f"policy/{wg}": policy_path(experiment, self.run_id, self.iteration, wg) for wg in groups}
         return policies | {f"optim/{wg}": optim_path(experiment, self.run_id, self.iteration, wg) for wg in groups}
 
+    def stored_inputs(self, config: DrmasConfig, store: Store) -> dict[str, str]:
+        experiment, inputs = config.experiment.name, {}
+        for group in config.worker_groups():
+            policy, optim = current_update(store, experiment, self.run_id, self.iteration, group.name)
+            inputs |= {f"policy/{group.name}": policy, f"optim/{group.name}": optim}
+        return inputs
+
     def values(self) -> dict[str, Any]:
         return {"iteration": self.iteration}
 
@@ -384,7 +409,7 @@ def reuses(config: DrmasConfig, store: Store, contract: StageContract, key: str)
     """The reuse rule, written once for the runner and every component: a stage is skipped
     when the store holds its output with the same cache key and its contract allows it
     (``StageContract.reusable``)."""
-    return is_cached(store, contract.output(config), key) and contract.reusable(config, store)
+    return is_cached(store, contract.stored_output(config, store), key) and contract.reusable(config, store)
 
 
 def _select(resolved: dict[str, Any], dotted: str) -> Any:
@@ -412,7 +437,10 @@ def cache_key(config: DrmasConfig, store: Store, stage: StageContract) -> str:
         "stage": stage.name,
         "config": {field: _select(resolved, field) for field in stage.fields},
         # metrics.json reports timings: it is not an input, and would make every key new.
-        "inputs": {name: _fingerprint(store, stage, name, path) for name, path in sorted(stage.inputs(config).items())},
+        "inputs": {
+            name: _fingerprint(store, stage, name, path)
+            for name, path in sorted(stage.stored_inputs(config, store).items())
+        },
         "values": stage.values(),
         "code": _code(stage.module),
     }

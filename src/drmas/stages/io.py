@@ -22,13 +22,15 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from drmas.config import DrmasConfig
-from drmas.infra.layout import METRICS_FILE
+from drmas.infra.layout import METRICS_FILE, split_iteration_path
 from drmas.infra.lease import stage_lease
-from drmas.infra.store import Store
+from drmas.infra.store import Store, StoreError
 from drmas.stages.contracts import StageContract, reuses
 
 __all__ = [
+    "InputNotStored",
     "announce",
+    "check_inputs",
     "expect_input",
     "open_stage",
     "policy_set",
@@ -74,6 +76,54 @@ def expect_input(artifact: ArtifactLike, expected_path: str, store: Store, what:
         raise ValueError(f"{what} reads {store.uri(expected_path)}, but was given {given}")
 
 
+class InputNotStored(StoreError):
+    """An input pointer names a store artifact that is gone, or that was rewritten since
+    the task that wrote it ran."""
+
+
+def check_inputs(store: Store, run_id: str, what: str, *inputs: ArtifactLike) -> None:
+    """Refuse inputs whose store artifacts are not what the tasks that wrote them left.
+
+    KFP reuses a task from its cache by its inputs alone, never asking the store: after the
+    store is cleared (or a new bucket takes the run id) a cached task's output pointer names
+    an artifact that is gone, and a rewritten artifact is not the content the pointer
+    recorded (``fingerprint``, ``fingerprints``). Either is refused here, naming the artifact
+    and the command that recomputes it, before the stage reads anything. ``what`` starts the
+    message, e.g. "the advantage of iteration 3"."""
+    for pointer in inputs:
+        meta = pointer.metadata
+        recorded = dict(meta.get("fingerprints") or {})
+        paths = [ref["artifact"] for ref in (meta.get("policies") or {}).values()]
+        if "artifact" in meta:
+            paths.append(meta["artifact"])
+            recorded[meta["artifact"]] = meta.get("fingerprint")
+        for path in paths:
+            again = f"drmas submit CONFIG --run-id {run_id or 'RUN_ID'} --force {_force_of(path)}"
+            if not store.exists(path):
+                raise InputNotStored(
+                    f"{what}: its input {store.uri(path)} is not in the store, though the task that wrote it is "
+                    f"done (KFP reused it from its cache: the store was cleared, or this is another bucket); "
+                    f"recompute it with: {again}"
+                )
+            expected = recorded.get(path)
+            if expected and store.fingerprint(path, ignore=(METRICS_FILE,)) != expected:
+                raise InputNotStored(
+                    f"{what}: its input {store.uri(path)} was rewritten since the task that wrote it ran (its "
+                    f"files are not the ones KFP recorded); recompute from there with: {again}"
+                )
+
+
+def _force_of(path: str) -> str:
+    """The ``--force`` of the stage that writes ``path``: ``update/WG@I`` for an iteration's
+    policy, ``STAGE@I`` for its other outputs, ``warmstart`` for the run's starting policies."""
+    found = split_iteration_path(path)
+    if found is None:
+        return "warmstart"
+    _, iteration, rest = found
+    kind, _, wg = rest.partition("/")
+    return f"update/{wg}@{iteration}" if kind in ("policy", "optim") else f"{kind}@{iteration}"
+
+
 def announce(label: str, reused: bool, uri: str) -> None:
     """One line per stage, ``drmas: LABEL reused|computed URI``: the logs (and the tests)
     tell from it whether a task that KFP executed did any work."""
@@ -111,7 +161,7 @@ def reuse_or_compute(
         if not reused:
             compute()
     if label is not None:
-        announce(label, reused, store.uri(path))
+        announce(label, reused, store.uri(contract.stored_output(config, store)))
     return reused
 
 
@@ -133,6 +183,9 @@ def policy_set(
         "policies": {wg: {"artifact": artifact, "prefix": prefix} for wg, (artifact, prefix) in policies.items()},
         "optims": {wg: {"artifact": optim, "prefix": ""} if optim else None for wg, optim in optims.items()},
         "policy_uris": {wg: store.uri(artifact) for wg, (artifact, _) in policies.items()},
+        "fingerprints": {
+            artifact: store.fingerprint(artifact, ignore=(METRICS_FILE,)) for artifact, _ in policies.values()
+        },
     }
 
 

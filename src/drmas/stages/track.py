@@ -28,11 +28,10 @@ from typing import TYPE_CHECKING
 from drmas.analysis.report import FINAL_PREFIX, History, iteration_metrics, run_history, write_report
 from drmas.config import DrmasConfig
 from drmas.infra.layout import (
+    current_update,
     evaluation_path,
     init_home,
     iteration_path,
-    optim_path,
-    policy_path,
     report_path,
     run_path,
     stage_path,
@@ -106,13 +105,14 @@ def log_iteration(tracker: Tracker, store: Store, i: int, metrics: dict[str, flo
     tracker.log_dataset(f"trajectories-iter-{i:06d}", store.uri(rollout), store.fingerprint(rollout), "rollout")
 
 
-def iteration_stages(config: DrmasConfig, run_id: str, i: int, evaluated: bool) -> dict[str, str]:
-    """Stage name -> store path of iteration ``i``'s outputs, named as the runner names them."""
+def iteration_stages(config: DrmasConfig, store: Store, run_id: str, i: int, evaluated: bool) -> dict[str, str]:
+    """Stage name -> store path of iteration ``i``'s outputs, named as the runner names them
+    (an update's newest version)."""
     experiment = config.experiment.name
     stages = {name: stage_path(experiment, run_id, i, name) for name in ("rollout", "advantage")}
     for group in config.worker_groups():
-        stages[f"policy/{group.name}"] = policy_path(experiment, run_id, i, group.name)
-        stages[f"optim/{group.name}"] = optim_path(experiment, run_id, i, group.name)
+        policy, optim = current_update(store, experiment, run_id, i, group.name)
+        stages[f"policy/{group.name}"], stages[f"optim/{group.name}"] = policy, optim
     if evaluated:
         stages["evaluate"] = EvaluateContract(iteration_path(experiment, run_id, i), {}).output(config)
     stages["checkpoint"] = stage_path(experiment, run_id, i, "checkpoint")
@@ -127,8 +127,8 @@ def stored_iteration(
     metrics = iteration_metrics(config, store, run_id, i)
     if metrics is None:
         return None
-    evaluated = store.exists(iteration_stages(config, run_id, i, True)["evaluate"])
-    return metrics, iteration_stages(config, run_id, i, evaluated)
+    evaluated = store.exists(iteration_stages(config, store, run_id, i, True)["evaluate"])
+    return metrics, iteration_stages(config, store, run_id, i, evaluated)
 
 
 def finish_run(
@@ -278,7 +278,8 @@ def track_end(config: DrmasConfig, store: Store, run_id: str, last_iteration: in
         summary.tracking = tracker.where(config.tracking.ui_url)
         if last_iteration == config.total_iterations - 1:
             groups = [group.name for group in config.worker_groups()]
-            policies = {wg: policy_path(config.experiment.name, run_id, last_iteration, wg) for wg in groups}
+            experiment = config.experiment.name
+            policies = {wg: current_update(store, experiment, run_id, last_iteration, wg)[0] for wg in groups}
             finish_run(config, store, run_id, tracker, summary, policies, history)
         else:
             tracker.close()

@@ -56,7 +56,17 @@ import pyarrow.compute as pc
 from drmas.config import DrmasConfig, PolicyError, WorkerGroup
 from drmas.generation.pool import RayPool
 from drmas.generation.workers import WorkerGroupRuntime
-from drmas.infra.layout import PolicyRef, StageResult, optim_path, policy_path, split_iteration_path, stage_path
+from drmas.infra.layout import (
+    PolicyRef,
+    StageResult,
+    optim_path,
+    policy_path,
+    split_iteration_path,
+    stage_path,
+    stored_versions,
+    version_number,
+    versioned,
+)
 from drmas.infra.schema import BATCH_SCHEMA
 from drmas.infra.store import ArtifactNotFound, CorruptArtifact, Store, StoreSettings
 
@@ -173,6 +183,7 @@ def update_rank(
     group = next(g for g in config.worker_groups() if g.name == wg)
     experiment = config.experiment.name
     rows = _worker_group_rows(store, stage_path(experiment, run_id, iteration, "advantage"), wg)
+    out_policy, out_optim = _new_version(store, experiment, run_id, iteration, wg)
     held = worker.take_training() if worker is not None else None
     with tempfile.TemporaryDirectory() as scratch:
         if held is not None and held.continues(store, policy, optim, reference):
@@ -186,10 +197,7 @@ def update_rank(
         )
         metrics[f"wg/{wg}/time"] = time.perf_counter() - started
         metrics[f"wg/{wg}/tokens_per_s"] = metrics[f"wg/{wg}/tokens"] / max(metrics[f"wg/{wg}/time"], 1e-9)
-        out_policy, out_optim = (
-            policy_path(experiment, run_id, iteration, wg),
-            optim_path(experiment, run_id, iteration, wg),
-        )
+        metrics[f"wg/{wg}/policy_version"] = float(version_number(out_policy))
         # Every rank takes part in gathering partitioned weights; each rank stores the part of
         # the optimizer state it holds, one tensor at a time, and rank 0 commits the artifact.
         weights = engine.full_weights()
@@ -220,6 +228,16 @@ def update_rank(
             held.offload()
             worker.keep_training(held)
     return StageResult(out_policy, metrics)
+
+
+def _new_version(store: Store, experiment: str, run_id: str, iteration: int, wg: str) -> tuple[str, str]:
+    """Where this update writes its policy and optimizer state: the first version, or, when
+    the update was computed before (a resubmitted part recomputes the updates since the last
+    stored optimizer state), the next one beside it, never over it (``infra.layout``).
+    Every rank asks before any of them writes, so all agree."""
+    policy, optim = policy_path(experiment, run_id, iteration, wg), optim_path(experiment, run_id, iteration, wg)
+    number = max(stored_versions(store, policy) + stored_versions(store, optim), default=0) + 1
+    return versioned(policy, number), versioned(optim, number)
 
 
 def _start_training(
@@ -409,7 +427,7 @@ def _last_stored(store: Store, optim: PolicyRef) -> str:
     stored = sorted(
         found[1]
         for found in map(split_iteration_path, store.list(run))
-        if found is not None and found[2] == what and found[1] < iteration
+        if found is not None and found[2].split("@")[0] == what.split("@")[0] and found[1] < iteration
     )
     if not stored:
         return "no earlier state is stored: the run starts again from its start"
