@@ -107,7 +107,7 @@ def test_a_worker_loads_a_stored_lora_policy_merged(tmp_path):
     warm.load_policy(initial)
     args = (config, store.settings(), "run", 0, WG, initial, None, initial, True, "")
     adopted = U.update_rank(warm, *args)
-    assert adopted.artifact == result.artifact
+    assert adopted.artifact == f"{result.artifact}@v2"  # computed again: the next version, never over the first
     assert not warm.load_policy(PolicyRef(adopted.artifact))  # adopted in memory: no reload
     loaded, handed = cold.engine.model.state_dict(), warm.engine.model.state_dict()
     assert all(torch.equal(loaded[name], handed[name]) for name in loaded)
