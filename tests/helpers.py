@@ -245,10 +245,14 @@ def via_kfp_local(tmp_path: Path, settings: list[str], *args: str) -> str:
         "kfp-local",
         *args,
     ]
-    done = subprocess.run(
-        command, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900
-    )
-    console = ANSI.sub("", done.stdout + done.stderr)
+    # The console goes to a file as it comes, so that a run the test's timeout stops still
+    # shows (in tmp_path/console.txt) where it was.
+    console_file = tmp_path / "console.txt"
+    with console_file.open("w") as sink:
+        done = subprocess.run(
+            command, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=sink, stderr=subprocess.STDOUT
+        )
+    console = ANSI.sub("", console_file.read_text())
     assert done.returncode == 0, console[-6000:]
     [log] = re.findall(r"^kfp.local's log: (.+)$", console, re.M)
     return console + LOG_MARK + (tmp_path / log).read_text()

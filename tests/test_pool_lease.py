@@ -18,7 +18,7 @@ import pytest
 
 from drmas.config import load_config
 from drmas.generation.named_pool import free_pool, lease_status, pool_lease, pool_name
-from drmas.generation.pool import HeldLease, PoolBusy, PoolLeaseLost, RayPool
+from drmas.generation.pool import HeldLease, PoolBusy, PoolLeaseLost, RayPool, policy_cache_scope
 from drmas.generation.workers import PolicyMismatch, WorkerGroupRuntime
 from drmas.infra.store import Store
 from drmas.stages.policies import init_policies
@@ -153,3 +153,23 @@ def test_a_worker_keeps_only_the_policy_version_it_holds_in_its_cache(tmp_path):
     assert worker.version is not None and held.name != first.name
     assert sorted((cache / "pool-a").iterdir()) == sorted([held, *others])
     assert (held / "config.json").is_file()
+
+
+def test_pools_of_one_run_name_in_two_stores_never_prune_each_others_cache(tmp_path):
+    """The same experiment and run id in two stores (two users, two tests) on one node: each
+    pool's workers prune only their own cache folder, so the other's policy stays loadable
+    (a shared folder lost a running pool's policy: CI of 0cbec54)."""
+    cache = tmp_path / "cache"
+    workers = []
+    for seed, name in enumerate(("first", "second")):  # different policies: different versions
+        config = load_config(
+            CONFIGS / "math_tiny.yaml", [*SMALL, f"store.root={tmp_path / name}", f"experiment.seed={seed}"]
+        )
+        store = Store.from_config(config.store)
+        scope = policy_cache_scope(pool_name("exp", "k"), store.settings())
+        worker = WorkerGroupRuntime("solver", store.settings(), cache_dir=str(cache), cache_scope=scope, threads=1)
+        worker.load_policy(init_policies(config, store, "k")["solver"])
+        workers.append((worker, cache / scope))
+    assert workers[0][1] != workers[1][1]
+    for worker, folder in workers:
+        assert (folder / f"solver-{worker.version}" / "config.json").is_file()

@@ -177,6 +177,20 @@ def test_an_input_rewritten_since_its_task_ran_is_refused(store, tmp_path):
         check_inputs(store, "r", "the evaluation", policies)
 
 
+def test_a_policy_set_published_at_a_folder_is_checked_by_its_policies(store, tmp_path):
+    """The warm start publishes its policy set at the run's folder, which is no artifact:
+    the check reads the policies the set names, and refuses only when one of them is gone."""
+    policy = "exp/r/init/policy/solver"
+    write(store, policy, {"model.safetensors": b"first"})
+    policies = FakeArtifact(tmp_path / "policies.json")
+    publish(store, "exp/r", policies, -1, fingerprint="set", **policy_set(store, "exp/r", {"solver": (policy, "")}, {}))
+    assert not store.exists("exp/r")
+    check_inputs(store, "r", "the rollout of iteration 0", policies)
+    store.delete(policy)
+    with pytest.raises(InputNotStored, match=r"init/policy/solver is not in the store.*--force warmstart$"):
+        check_inputs(store, "r", "the rollout of iteration 0", policies)
+
+
 # --------------------------------------------------------------------------------------
 # metrics
 # --------------------------------------------------------------------------------------

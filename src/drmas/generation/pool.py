@@ -43,6 +43,7 @@ writes nothing.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -74,7 +75,7 @@ from drmas.generation.workers import GenerationResult, PolicyNotLoaded, WorkerGr
 from drmas.infra.cpus import cpu_threads
 from drmas.infra.layout import PolicyRef
 from drmas.infra.progress import Mirror
-from drmas.infra.store import Store
+from drmas.infra.store import Store, StoreSettings
 
 __all__ = [
     "ACTOR_RESTARTS",
@@ -85,6 +86,7 @@ __all__ = [
     "PoolOnDemand",
     "RayPool",
     "WorkerGroupDied",
+    "policy_cache_scope",
     "wait_for_slots",
 ]
 
@@ -109,6 +111,16 @@ LEASE_WAIT_S = 3600.0
 """How long a driver waits for the pool's lease while another, live, holds it."""
 LEASE_SAY_EVERY_S = 30.0
 """How often a waiting driver says whom it waits for."""
+
+
+def policy_cache_scope(prefix: str, store: StoreSettings) -> str:
+    """The policy cache folder of a pool's workers: the pool's name and its store's.
+
+    A pool prunes its own folder (``WorkerGroupRuntime._prune_cache``), so no two pools may
+    share one; a run's name alone is not unique on a node (the same experiment and run id
+    in two stores, as two users' or two tests' runs are)."""
+    where = hashlib.sha256(f"{store.endpoint}|{store.root}".encode()).hexdigest()[:12]
+    return f"{prefix}.{where}"
 
 
 class WorkerGroupDied(RuntimeError):
@@ -296,7 +308,7 @@ class RayPool:
             chat_template_kwargs=group.chat_template_kwargs,
             system_prompt=group.system_prompt,
             cache_dir=self.cache_dir,
-            cache_scope=self.prefix,
+            cache_scope=policy_cache_scope(self.prefix, self.store_settings),
             slot_resource=self.config.ray.pool_resource,
             threads=max(1, self.threads // len(self.slots[wg])) if self.threads else None,
             relay=True,

@@ -92,11 +92,14 @@ def check_inputs(store: Store, run_id: str, what: str, *inputs: ArtifactLike) ->
     message, e.g. "the advantage of iteration 3"."""
     for pointer in inputs:
         meta = pointer.metadata
-        recorded = dict(meta.get("fingerprints") or {})
-        paths = [ref["artifact"] for ref in (meta.get("policies") or {}).values()]
-        if "artifact" in meta:
-            paths.append(meta["artifact"])
-            recorded[meta["artifact"]] = meta.get("fingerprint")
+        if meta.get("policies"):
+            # A policy set: consumers read its policies, whose own fingerprints it records;
+            # the set's path may be no artifact (the warm start's is the run's folder).
+            paths = [ref["artifact"] for ref in meta["policies"].values()]
+            recorded = dict(meta.get("fingerprints") or {})
+        else:
+            paths = [meta["artifact"]] if "artifact" in meta else []
+            recorded = {meta.get("artifact"): meta.get("fingerprint")}
         for path in paths:
             again = f"drmas submit CONFIG --run-id {run_id or 'RUN_ID'} --force {_force_of(path)}"
             if not store.exists(path):
