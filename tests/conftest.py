@@ -24,7 +24,7 @@ import pyarrow.fs as pafs
 import pytest
 from helpers import ROOT, TINY_OVERRIDES
 from localmlflow import MlflowServer
-from locals3 import LocalS3Server
+from locals3 import DiskTooFull, LocalS3Server
 
 from drmas.infra.store import Store
 
@@ -47,7 +47,12 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def s3_env(s3_server: LocalS3Server, monkeypatch: pytest.MonkeyPatch) -> LocalS3Server:
-    """The server, with its credentials in the environment as a user would set them."""
+    """The server, with its credentials in the environment as a user would set them; a
+    test fails at once, saying why, when the disk is too full for the server to write."""
+    try:
+        s3_server.check_disk()
+    except DiskTooFull as full:
+        pytest.fail(str(full), pytrace=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
     monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)

@@ -18,7 +18,19 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-__all__ = ["LocalS3Server", "find_weed"]
+__all__ = ["DiskTooFull", "LocalS3Server", "find_weed"]
+
+# `weed mini` keeps the volume server's default `minFreeSpace` (1% of the disk; mini has no
+# flag for it): below it SeaweedFS marks every volume read-only, and each write then fails
+# as an S3 InternalError or hangs ("Operation too slow"), retried for minutes. A CI run
+# whose other tests filled the disk failed 46 S3 tests that way (2026-12-06).
+READ_ONLY_BELOW = 0.01
+WRITE_HEADROOM_BYTES = 256 * 2**20
+
+
+class DiskTooFull(RuntimeError):
+    """The disk holding the server's data is at or near the free space SeaweedFS needs."""
+
 
 # Every listening port `weed mini` opens; all are given explicitly so that two servers (or
 # another program on a default port) never collide.
@@ -146,6 +158,19 @@ class LocalS3Server:
             return all(fs.get_file_info(b).type == pafs.FileType.Directory for b in self.buckets)
         except OSError:
             return False
+
+    def check_disk(self) -> None:
+        """Raise :class:`DiskTooFull`, naming the folder and the figures, when the disk
+        holding the data has less free than SeaweedFS's read-only floor plus a margin for
+        the next writes, instead of letting them fail as S3 internal errors."""
+        usage = shutil.disk_usage(self.data_dir)
+        floor = int(usage.total * READ_ONLY_BELOW)
+        if usage.free < floor + WRITE_HEADROOM_BYTES:
+            raise DiskTooFull(
+                f"the disk holding {self.data_dir} has {usage.free / 2**30:.2f} GiB free: SeaweedFS turns "
+                f"every volume read-only below {READ_ONLY_BELOW:.0%} of it ({floor / 2**30:.2f} GiB), "
+                "so S3 writes would fail; free some space"
+            )
 
     def stop(self) -> None:
         """Stop the server we started (SIGTERM, then SIGKILL), by its process group."""

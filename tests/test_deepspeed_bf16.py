@@ -148,6 +148,12 @@ if rank == 0:
 if dist.is_initialized():  # leave the group before exit: gloo torn down by the exit aborts a rank now and then
     dist.barrier()
     dist.destroy_process_group()
+# Even so, a rank still aborted at exit now and then ("terminate called without an active
+# exception": a joinable C++ thread destroyed by the interpreter's teardown; CI 2026-12-06,
+# after every case had passed): the work is done and reported, so leave without teardown.
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 """
 
 

@@ -271,3 +271,19 @@ def test_drmas_run_through_a_faulty_store(proxy: FaultProxy, s3_env: LocalS3Serv
     clean = drmas_run_on_s3(tmp_path, root, s3_env.endpoint, "clean")
     assert clean.returncode == 0, clean.stdout + clean.stderr
     assert final_policies(store, "faulty") == final_policies(store, "clean")
+
+
+def test_a_disk_too_full_for_the_s3_server_is_named_before_a_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """SeaweedFS turns read-only below 1% of its disk free; the test server says so, naming
+    the folder, instead of leaving each write to fail as an S3 internal error."""
+    import shutil
+
+    import locals3
+
+    server = LocalS3Server(tmp_path, access_key="k", secret_key="s")
+    total = 100 * 2**30
+    monkeypatch.setattr(locals3.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(total, total, 2 * 2**30))
+    server.check_disk()  # 2 GiB free: above the 1 GiB floor and the margin
+    monkeypatch.setattr(locals3.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(total, total, 2**30))
+    with pytest.raises(locals3.DiskTooFull, match=rf"{tmp_path}.*1\.00 GiB free.*below 1% of it \(1\.00 GiB\)"):
+        server.check_disk()
