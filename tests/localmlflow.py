@@ -34,9 +34,13 @@ class MlflowServer:
     """``mlflow server`` on 127.0.0.1:``port`` over ``folder/mlflow.db``; it can be killed
     (-9) and started again on the same port and database."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+        """``args``: more arguments of ``mlflow server`` (``--app-name=basic-auth``, say);
+        ``env``: more environment for it (the auth app's settings and admin account)."""
         self.folder = folder
         self.port = _free_port()
+        self.args = args
+        self.env = env or {}
         self.process: subprocess.Popen[bytes] | None = None
         folder.mkdir(parents=True, exist_ok=True)
 
@@ -62,6 +66,7 @@ class MlflowServer:
             self.database,
             "--artifacts-destination",
             str(self.folder / "artifacts"),
+            *self.args,
         ]
         with open(self.folder / "server.log", "ab") as log:
             self.process = subprocess.Popen(
@@ -69,7 +74,7 @@ class MlflowServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={**os.environ, **SERVER_ENV},
+                env={**os.environ, **SERVER_ENV, **self.env},
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

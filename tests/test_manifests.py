@@ -278,15 +278,73 @@ def test_mlflow_runs_with_authentication() -> None:
     assert mlflow_problems(base) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="images/Dockerfile.cpu does not install mlflow[auth] (Flask-WTF) yet: `mlflow server --app-name "
-    "basic-auth` exits with an ImportError until it does; remove this mark with that change",
-)
-def test_the_mlflow_image_has_the_basic_auth_app() -> None:
-    """mlflow 3.17's basic-auth app imports flask_wtf, which only the mlflow[auth] extra brings."""
-    dockerfile = (ROOT / "images" / "Dockerfile.cpu").read_text().lower()
-    assert "mlflow[auth]" in dockerfile or "flask-wtf" in dockerfile or "flask_wtf" in dockerfile
+def test_the_manifests_mlflow_server_authenticates_with_the_packages_the_image_installs(tmp_path: Path) -> None:
+    """The image installs the project (images/Dockerfile.cpu: ``pip install ".[kubeflow]"``),
+    whose mlflow requirement carries the ``auth`` extra (Flask-WTF: without it ``mlflow
+    server --app-name basic-auth`` exits with an ImportError). Run as the manifest runs it,
+    its settings from the ConfigMap (the database a file here, not PostgreSQL) and the admin
+    account from the environment: /health stays open for the probes, a request without the
+    account or with a wrong password gets 401, and a client with the account drmas's
+    clients use (MLFLOW_TRACKING_USERNAME/PASSWORD) logs and reads a run."""
+    import base64
+    import secrets
+    import urllib.error
+    import urllib.request
+
+    import mlflow
+    import tomllib
+    from localmlflow import MlflowServer
+
+    requirements = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(re.fullmatch(r"mlflow\[auth\]==[\d.]+", r.split("#")[0].strip()) for r in requirements)
+    assert (
+        'pip install -c constraints.txt -c /tmp/image-constraints.txt ".[kubeflow]"'
+        in (ROOT / "images" / "Dockerfile.cpu").read_text()
+    )
+
+    base = rendered("base")
+    (container,) = one(base, "Deployment", "mlflow")["spec"]["template"]["spec"]["containers"]
+    settings = configparser.ConfigParser()
+    settings.read_string(one(base, "ConfigMap", "mlflow-auth")["data"]["basic_auth.ini"])
+    settings["mlflow"]["database_uri"] = f"sqlite:///{tmp_path / 'auth.db'}"
+    with (tmp_path / "basic_auth.ini").open("w") as file:
+        settings.write(file)
+    user, password = "drmas-runs", secrets.token_hex(12)
+    server = MlflowServer(
+        tmp_path / "server",
+        args=(f"--app-name={server_args(container)['--app-name']}",),
+        env={
+            "MLFLOW_AUTH_CONFIG_PATH": str(tmp_path / "basic_auth.ini"),
+            "MLFLOW_AUTH_ADMIN_USERNAME": user,
+            "MLFLOW_AUTH_ADMIN_PASSWORD": password,
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16),
+        },
+    ).start()  # start() waits for /health, which answers without an account
+    try:
+
+        def status(account: tuple[str, str] | None) -> int:
+            request = urllib.request.Request(f"{server.uri}/api/2.0/mlflow/experiments/search?max_results=1")
+            if account:
+                token = base64.b64encode(":".join(account).encode()).decode()
+                request.add_header("Authorization", f"Basic {token}")
+            try:
+                with urllib.request.urlopen(request, timeout=10) as reply:
+                    return reply.status
+            except urllib.error.HTTPError as refused:
+                return refused.code
+
+        assert status(None) == 401
+        assert status((user, "not-" + password)) == 401
+        assert status((user, password)) == 200
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("MLFLOW_TRACKING_USERNAME", user)
+            env.setenv("MLFLOW_TRACKING_PASSWORD", password)
+            client = mlflow.MlflowClient(server.uri)
+            run = client.create_run(client.create_experiment("auth-check"))
+            client.log_metric(run.info.run_id, "eval/avg", 0.5)
+            assert client.get_run(run.info.run_id).data.metrics == {"eval/avg": 0.5}
+    finally:
+        server.kill()
 
 
 def _secret_checks(docs: list[dict]) -> list[tuple[str, dict]]:

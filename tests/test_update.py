@@ -224,6 +224,40 @@ def test_log_probs_computed_in_chunks_are_the_whole_computation_to_the_bit(tmp_p
     assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
 
 
+def test_only_the_positions_from_the_first_response_token_are_projected_to_the_vocabulary(tmp_path):
+    """The prompts are most of an update's tokens: token_logprobs asks the model for logits
+    from the batch's earliest response position on (logits_to_keep), and its response
+    log-probs, entropies and the gradient of a response loss equal those computed from
+    every position's logits."""
+    config, store, policy, tokenizer = make_run(tmp_path)
+    model = load_model(store.open(policy.artifact).download(tmp_path / "policy"))
+    table = store.open(stage_path("math-tiny", "run", 0, "rollout")).read_table("trajectories.parquet")
+    batch = collate([dict(r, advantage=0.0) for r in table.to_pylist()], tokenizer.pad_token_id)
+    mask = batch.response_mask > 0
+    first = int(mask.float().argmax(dim=1)[mask.any(dim=1)].min())
+    assert first > 0  # the batch's prompts are not empty: there is something to leave out
+    projected: list[int] = []
+    hook = model.lm_head.register_forward_hook(lambda _, inputs, __: projected.append(inputs[0].shape[1]))
+    model.zero_grad()
+    taken, entropy = token_logprobs(model, batch, want_entropy=True)
+    (taken * batch.response_mask).sum().backward()
+    kept_grads = [p.grad.clone() for p in model.parameters()]
+    hook.remove()
+    assert projected == [batch.input_ids.shape[1] - first]
+
+    model.zero_grad()
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1]
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    whole = log_probs.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    whole_entropy = -(log_probs.exp() * log_probs).sum(-1)
+    (whole * batch.response_mask).sum().backward()
+    torch.testing.assert_close(taken[mask], whole[mask], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(entropy[mask], whole_entropy[mask], rtol=1e-6, atol=1e-6)
+    assert not taken[:, :first].any() and not entropy[:, :first].any()
+    for kept, full in zip(kept_grads, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(kept, full, rtol=1e-5, atol=1e-7)
+
+
 def test_deepspeed_config_offloads_the_optimizer_from_zero1_on(tmp_path):
     """train.offload_optimizer puts Adam's state in host memory, keeping the torch AdamW
     (DeepSpeed refuses a client optimizer there unless told); ZeRO-0 has none to offload

@@ -95,11 +95,43 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(next token) [B, L-1] under ``model``, and the per-token entropy if asked;
     with ``temperature`` ([B], see ``sampling_temperatures``) of the logits divided by it.
-    ``chunk``: positions per piece of the fp32 computation (``train.logprob_chunk_positions``)."""
+    ``chunk``: positions per piece of the fp32 computation (``train.logprob_chunk_positions``).
+
+    Only the positions from the batch's earliest response token on get logits (the model's
+    ``logits_to_keep``, applied before the vocabulary projection); the positions before
+    it are 0, as outside the response they are never read. The prompts are most of the
+    tokens, and at a vocabulary of 49k (SmolLM2) their logits were most of the update's
+    memory traffic."""
+    start = first_response_position(batch.response_mask)
     # No KV cache: it is for generation, costs memory here and cannot be checkpointed.
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1]
+    logits = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        use_cache=False,
+        logits_to_keep=batch.input_ids.shape[1] - start,
+    ).logits[:, :-1]
     scale = temperature.to(logits.device) if temperature is not None else torch.ones(len(logits), device=logits.device)
-    targets = batch.input_ids[:, 1:].to(logits.device)
+    targets = batch.input_ids[:, start + 1 :].to(logits.device)
+    taken, entropy = _chunked_logprobs(logits, targets, scale, want_entropy, chunk)
+    before = (len(logits), start)
+    taken = torch.cat([taken.new_zeros(before), taken], dim=1)
+    entropy = torch.cat([entropy.new_zeros(before), entropy], dim=1) if entropy is not None else None
+    return taken, entropy
+
+
+def first_response_position(response_mask: torch.Tensor) -> int:
+    """The earliest position [0, L-1) that predicts a response token, over the rows; for a
+    batch with no response token (a rank's empty micro-batch), the last one."""
+    rows = response_mask.any(dim=1)
+    if not bool(rows.any()):
+        return response_mask.shape[1] - 1
+    return int(response_mask[rows].argmax(dim=1).min())
+
+
+def _chunked_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, want_entropy: bool, chunk: int | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``_logprobs_of`` in pieces of ``chunk`` positions, each recomputed in the backward."""
     if chunk is None or chunk >= logits.shape[1]:
         return _logprobs_of(logits, targets, scale, want_entropy)
     pieces = [
