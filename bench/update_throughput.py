@@ -69,7 +69,7 @@ def synthetic_rows(count: int, vocab: int, prompt: int = 48, response: int = 48)
 CASES = {
     "torch-fp32-all-positions": (["train.backend=torch"], "float32"),
     "torch-fp32": (["train.backend=torch"], "float32"),
-    "torch-bf16": (["train.backend=torch"], "bfloat16"),
+    "torch-bf16": (["train.backend=torch", "models.tiny.dtype=bfloat16"], "bfloat16"),
     "deepspeed-zero0": (["train.backend=deepspeed", "train.zero_stage=0"], "float32"),
     "deepspeed-zero1": (["train.backend=deepspeed", "train.zero_stage=1"], "float32"),
     "deepspeed-zero2": (["train.backend=deepspeed", "train.zero_stage=2"], "float32"),
