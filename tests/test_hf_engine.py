@@ -69,3 +69,83 @@ def test_weights_that_do_not_fit_the_model_are_refused(policy):
     del weights["not.a.weight"], weights["model.norm.weight"]
     with pytest.raises(ValueError, match="missing.*model.norm.weight"):
         engine.set_weights(weights)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(0.7, 0, 0.95), (1.0, 50, 0.9), (1.3, 0, 0.999), (0.7, 20, 1.0), (1.0, 0, 1.0)],
+)
+def test_the_sampler_draws_from_the_distribution_transformers_warpers_give(temperature, top_k, top_p):
+    """The sampling probabilities over each row's candidates equal, scattered back to the
+    vocabulary, softmax of transformers' own temperature -> top-k -> top-p warpers; a flat
+    row (its nucleus larger than the first candidates) and a peaked one are both covered."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from drmas.generation.engines.decode import RequestSampler
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 500, generator=generator) * torch.tensor([[0.1], [3.0], [8.0]])
+    sampler = RequestSampler(
+        SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p), [1, 2, 3], torch.device("cpu")
+    )
+    probs, candidates = sampler._nucleus(torch.log_softmax(logits / temperature, dim=-1))
+    ours = torch.zeros_like(logits).scatter_add_(-1, candidates, probs)
+    ours = ours / ours.sum(dim=-1, keepdim=True)
+    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    assert torch.allclose(ours, torch.softmax(scores, dim=-1), atol=1e-6)
+    tokens, logprobs = sampler.draw(logits, [0, 1, 2])
+    assert all(ours[row, token] > 0 for row, token in enumerate(tokens.tolist()))
+    assert torch.allclose(logprobs, torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens[:, None])[:, 0])
+
+
+def test_greedy_decoding_is_what_model_generate_gives_with_rows_ending_apart(policy):
+    """The engine's decode loop (each distinct prompt prefilled once, ended rows leaving the
+    batch, the cache written into reserved room) against transformers' own ``generate`` on
+    the same left-padded batch: the same tokens, and log-probs those of generate's logits."""
+    engine = _engine(policy)
+    prompts = [*PROMPTS, PROMPTS[0], PROMPTS[2]]  # two prompts asked twice
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    reference = engine.model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=12,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    tokens = reference.sequences[:, width:]
+    # A stop token that ends some rows early and others not at all, so that rows leave the batch apart.
+    stop = tokens[0, 3].item()
+    ends = [(row == stop).nonzero()[0].item() + 1 if (row == stop).any() else 12 for row in tokens]
+    assert len(set(ends)) > 1, ends
+    out = engine.generate(prompts, SamplingConfig(temperature=0.0, max_new_tokens=12), stop_ids=[stop], seeds=[0] * 6)
+    logprobs = torch.stack([torch.log_softmax(step.float(), dim=-1) for step in reference.logits], dim=1)
+    for row, generation in enumerate(out):
+        assert generation.response_ids == tokens[row, : ends[row]].tolist()
+        assert generation.finish_reason == ("stop" if ends[row] < 12 or tokens[row, 11] == stop else "length")
+        expected = logprobs[row, : ends[row]].gather(-1, tokens[row, : ends[row], None])[:, 0]
+        assert torch.allclose(torch.tensor(generation.logprobs), expected, atol=1e-5)
+
+
+def test_a_prompt_asked_several_times_samples_each_request_as_if_alone(policy):
+    """A prompt prefilled once for its copies: each copy still samples from its own seed,
+    as it would alone in a batch."""
+    engine = _engine(policy)
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[0]]
+    seeds = request_seeds(5, 0, 4)
+    together = engine.generate(prompts, SAMPLING, stop_ids=[0], seeds=seeds)
+    alone = [engine.generate([p], SAMPLING, stop_ids=[0], seeds=[s])[0] for p, s in zip(prompts, seeds, strict=True)]
+    assert [g.response_ids for g in together] == [g.response_ids for g in alone]
+    assert len({tuple(g.response_ids) for g in together[:2]}) == 2  # copies do not share a sample

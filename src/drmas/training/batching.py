@@ -38,6 +38,19 @@ class MicroBatch:
             advantages=self.advantages.to(device),
         )
 
+    def select(self, rows: list[int]) -> MicroBatch:
+        """Only ``rows`` (indices into this micro-batch), in that order."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
+        return MicroBatch(
+            input_ids=self.input_ids[index],
+            attention_mask=self.attention_mask[index],
+            response_mask=self.response_mask[index],
+            old_logprobs=self.old_logprobs[index],
+            rollout_logprobs=self.rollout_logprobs[index],
+            advantages=self.advantages[index],
+            agents=[self.agents[row] for row in rows],
+        )
+
 
 def micro_batches(rows: list[dict[str, Any]], max_rows: int, max_tokens: int | None) -> list[list[int]]:
     """Row indices packed in order: at most ``max_rows`` rows and ``max_tokens`` padded

@@ -209,10 +209,10 @@ def micro_loss(
     token-mean metrics; with ``only_agent``, the share of that agent's rows alone,
     normalised the same way, so that the agents' shares add up to the micro-batch's."""
     algorithm = config.algorithm
+    aggregation, num_tokens, factor = _normalisation(algorithm.loss_aggregation, batch, size)
     mask = batch.response_mask
     if only_agent is not None:
-        keep = torch.tensor([agent == only_agent for agent in batch.agents], dtype=mask.dtype, device=mask.device)
-        mask = mask * keep.unsqueeze(-1)
+        batch, mask, factor = _agent_rows(batch, only_agent, num_tokens, factor, size)
     temperature = sampling_temperatures(config, batch.agents)
     chunk = config.train.logprob_chunk_positions
     logprobs, entropy = token_logprobs(model, batch, want_entropy or algorithm.entropy_coef > 0, temperature, chunk)
@@ -220,7 +220,6 @@ def micro_loss(
     if ref_model is not None:
         with torch.no_grad():
             ref, _ = token_logprobs(ref_model, batch, want_entropy=False, temperature=temperature, chunk=chunk)
-    aggregation, num_tokens, factor = _normalisation(algorithm.loss_aggregation, batch, size)
     loss, stats = policy_loss(
         logprobs,
         batch.old_logprobs,
@@ -247,6 +246,24 @@ def micro_loss(
         if "kl" in stats:
             result["kl"] = stats["kl"]
     return loss * factor, result
+
+
+def _agent_rows(
+    batch: MicroBatch, agent: str, num_tokens: int | None, factor: float, size: MiniBatchSize
+) -> tuple[MicroBatch, torch.Tensor, float]:
+    """The rows of ``agent`` alone, their response mask, and the factor that keeps their
+    loss normalised as in the whole micro-batch (the seq-mean modes average over rows, so
+    their weight is the rows kept; the token modes' ``num_tokens`` is the micro-batch's).
+    Only those rows go through the model: the agents' passes together cost one pass of the
+    micro-batch, not one each. An agent with no row here gets one row, masked out: a pass
+    that adds nothing, so that every rank runs as many passes (ZeRO-3 gathers in them)."""
+    rows = [row for row, name in enumerate(batch.agents) if name == agent]
+    if not rows:
+        return batch.select([0]), torch.zeros_like(batch.response_mask[:1]), 0.0
+    if num_tokens is None:
+        factor = len(rows) / size.rows
+    selected = batch.select(rows)
+    return selected, selected.response_mask, factor
 
 
 def _normalisation(

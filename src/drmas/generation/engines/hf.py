@@ -1,4 +1,6 @@
-"""The transformers engine: batched, left-padded, KV-cached sampling on CPU (or one GPU)."""
+"""The transformers engine: batched, left-padded, KV-cached sampling on CPU (or one GPU),
+through drmas's decode loop (``decode``: each distinct prompt prefilled once, ended rows
+leaving the batch)."""
 
 from __future__ import annotations
 
@@ -6,21 +8,15 @@ import gc
 from pathlib import Path
 
 import torch
-from transformers.generation.logits_process import (
-    LogitsProcessor,
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from drmas.config import SamplingConfig
 from drmas.generation.engines.base import Generation
+from drmas.generation.engines.decode import decode
 from drmas.models import load_model
 
 
 class HFEngine:
-    """Generates with ``model.generate``; offload drops the weights, resume reloads them.
+    """Generates with ``decode`` (a lean ``model.generate``); offload drops the weights, resume reloads them.
 
     Reloading from the local safetensors file is cheap for the models that run on CPU, and
     it frees the memory for real, which is the point of offloading in a shared pool. An
@@ -78,49 +74,7 @@ class HFEngine:
         if not prompts:
             return []
         self.resume()
-        pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else stop_ids[0]
-        input_ids, attention_mask = _left_pad(prompts, pad_id, self.device)  # [B, P]
-        greedy = sampling.temperature == 0
-        sampler = [] if greedy else [SeededSampler(sampling, seeds, self.device)]
-        output = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            do_sample=False,  # the sampler has drawn each row's token; the greedy step takes it
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            logits_processor=LogitsProcessorList(sampler),
-            max_new_tokens=sampling.max_new_tokens,
-            eos_token_id=stop_ids,
-            pad_token_id=pad_id,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        new_tokens = output.sequences[:, input_ids.shape[1] :]  # [B, T]
-        logprobs = _sampled_logprobs(output.logits, new_tokens, sampling.temperature)  # [B, T]
-        return [_cut(new_tokens[b], logprobs[b], set(stop_ids)) for b in range(len(prompts))]
-
-
-class SeededSampler(LogitsProcessor):
-    """Draws each row's next token from its own generator (its request's seed), from the
-    distribution ``model.generate`` would sample (temperature, then top-k, then top-p, as
-    transformers orders its warpers), and leaves only that token for the greedy step."""
-
-    def __init__(self, sampling: SamplingConfig, seeds: list[int], device: torch.device) -> None:
-        self.warpers: list[LogitsProcessor] = [TemperatureLogitsWarper(sampling.temperature)]
-        if sampling.top_k:
-            self.warpers.append(TopKLogitsWarper(sampling.top_k))
-        if sampling.top_p < 1.0:
-            self.warpers.append(TopPLogitsWarper(sampling.top_p))
-        self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        for warper in self.warpers:
-            scores = warper(input_ids, scores)
-        probs = torch.softmax(scores.float(), dim=-1)  # [B, V]
-        tokens = torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(self.generators)])
-        chosen = torch.full_like(scores, float("-inf"))
-        return chosen.scatter_(1, tokens.unsqueeze(1), 0.0)
+        return decode(self.model, prompts, sampling, stop_ids, seeds)
 
 
 def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
@@ -135,31 +89,3 @@ def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> No
             f"weights do not fit the model: unknown {sorted(result.unexpected_keys)[:5]}, "
             f"missing {sorted(untouched)[:5]}"
         )
-
-
-def _left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        mask[row, width - len(prompt) :] = 1
-    return ids.to(device), mask.to(device)
-
-
-def _sampled_logprobs(step_logits: tuple[torch.Tensor, ...], tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(token) under the sampling distribution's temperature, step by step ([B, V] each)."""
-    scale = temperature if temperature > 0 else 1.0
-    columns = [
-        torch.log_softmax(logits.float() / scale, dim=-1).gather(-1, tokens[:, t : t + 1])
-        for t, logits in enumerate(step_logits)
-    ]
-    return torch.cat(columns, dim=-1)  # [B, T]
-
-
-def _cut(tokens: torch.Tensor, logprobs: torch.Tensor, stop_ids: set[int]) -> Generation:
-    """Keep the tokens up to and including the first stop token."""
-    ids = tokens.tolist()
-    end = next((i + 1 for i, token in enumerate(ids) if token in stop_ids), None)
-    length = end if end is not None else len(ids)
-    return Generation(ids[:length], logprobs[:length].tolist(), "stop" if end is not None else "length")
