@@ -26,6 +26,7 @@ Works with the cache API of transformers 5.12 (the GPU image) and 5.25: ``Dynami
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
@@ -106,7 +107,8 @@ def decode(
     prompt_row = {prompt: row for row, prompt in enumerate(distinct)}
     input_ids, attention_mask = left_pad([list(prompt) for prompt in distinct], pad_id, device)
     cache = reserved_cache(model, input_ids.shape[1] + sampling.max_new_tokens)
-    logits = _forward(model, input_ids, attention_mask, _positions(attention_mask), cache)
+    forward = _forward_with(model, cache)
+    logits = forward(input_ids, attention_mask, _positions(attention_mask))
     # One row per request from here on: the prompt's prefill, copied.
     copies = torch.tensor([prompt_row[tuple(prompt)] for prompt in prompts], device=device)
     cache.reorder_cache(copies)
@@ -131,7 +133,7 @@ def decode(
             active = [active[row] for row in keep.tolist()]
             tokens, attention_mask, next_position = tokens[keep], attention_mask[keep], next_position[keep]
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=-1)
-        logits = _forward(model, tokens.unsqueeze(-1), attention_mask, next_position.unsqueeze(-1), cache)
+        logits = forward(tokens.unsqueeze(-1), attention_mask, next_position.unsqueeze(-1))
         next_position = next_position + 1
     stop_set = set(stop_ids)
     return [
@@ -209,23 +211,23 @@ def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
 
 
-def _forward(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    cache: DynamicCache,
-) -> torch.Tensor:
-    """The next-token logits ``[B, V]`` after ``input_ids``, the cache extended by them."""
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=True,
-        logits_to_keep=1,
-        **{_cache_argument(model): cache},
-    )
-    return out.logits[:, -1]
+def _forward_with(model: torch.nn.Module, cache: DynamicCache) -> Callable[..., torch.Tensor]:
+    """A step of ``model`` over ``cache``: (input ids, attention mask, position ids) -> the
+    next-token logits ``[B, V]``, the cache extended by the ids."""
+    argument = _cache_argument(model)
+
+    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **{argument: cache},
+        )
+        return out.logits[:, -1]
+
+    return forward
 
 
 def _cache_argument(model: torch.nn.Module) -> str:
