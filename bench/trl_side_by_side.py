@@ -1,25 +1,31 @@
 """Single-agent GRPO: drmas against TRL's GRPOTrainer, side by side on CPU.
 
-    .venv/bin/python bench/trl_side_by_side.py [--size small|20m|both] [--steps N] [--threads 1]
+    .venv/bin/python bench/trl_side_by_side.py [--size small|20m|both|smollm2] [--steps N] [--threads 1]
     .venv/bin/python bench/trl_side_by_side.py --steps 5 --size small      # quick look
+    .venv/bin/python bench/trl_side_by_side.py --size smollm2 --threads 2 \
+        [--model .cache/models/smollm2-135m-instruct | a warm-started policy folder]
 
 Needs TRL: ``pip install -c constraints.txt -e '.[bench]'``.
 
-For each model size, in one process: one scratch policy and tokenizer built by drmas and
-warm-started (``warmstart.steps``, so that rewards are not all zero); both trainers start
-from those weights. drmas runs ``configs/math_solo_tiny.yaml`` (orchestra ``solo``, one
-Solver, ``advantage: grpo``) through ``run_iteration``: rollout on the Ray pool, the
-advantage, the update, the checkpoint, every stage written to the store. TRL runs
+For each model size, in one process: one policy and tokenizer made by drmas (the scratch
+sizes: built and warm-started with ``warmstart.steps``, so that rewards are not all zero;
+``smollm2``: the pretrained SmolLM2-135M-Instruct of ``drmas import-gguf``, or whatever
+``--model`` names, e.g. a run's warm-started policy); both trainers start from those
+weights. The scratch sizes run ``configs/math_solo_tiny.yaml``, ``smollm2`` runs
+``configs/math_smollm2_word_problems.yaml`` with its team cut to the one Solver (orchestra
+``solo``, ``advantage: grpo``), each through ``run_iteration``: rollout on the Ray pool,
+the advantage, the update, the checkpoint, every stage written to the store. TRL runs
 ``GRPOTrainer`` on the same weights with the same settings:
 
-    prompts       the Solver's prompt of the same questions, in the same order, given as
-                  conversations: TRL renders them with the same chat template (checked:
-                  the same token ids)
+    prompts       the Solver's prompt of the same questions, in the same order, after the
+                  config's system prompt, given as conversations: TRL renders them with the
+                  same chat template (checked: the same token ids)
     group         rollout.group_size = num_generations; prompts_per_iteration prompts
     batch         one optimizer step per batch of prompts x group, micro-batches of
                   train.micro_batch_size (= per_device_train_batch_size, the rest by
                   gradient accumulation)
-    sampling      temperature 1, top_p 1, no top_k; max_new_tokens = max_completion_length;
+    sampling      per size (the scratch sizes: temperature 1, top_p 1; smollm2: its config's
+                  0.7 and 0.95), no top_k; max_new_tokens = max_completion_length;
                   generation stops at the same tokens
     loss          clipped ratio (0.2) with token-mean over the batch (TRL's 'dapo'), no KL
                   (beta 0), no entropy bonus; AdamW, constant lr, no weight decay, gradient
@@ -33,8 +39,8 @@ reward, update; for drmas the whole iteration with the store and Ray), the ratio
 drmas / TRL, where the time goes (generation and forward/backward measured by timers
 around the engines' calls, the rest), and both reward curves.
 
-The default (both sizes) took about 10 minutes on 2 cores that other jobs kept busy (load
-average ~6); ``--threads`` explains why both trainers use one thread by default.
+The default (both scratch sizes) took about 10 minutes on 2 cores that other jobs kept busy
+(load average ~6); ``--threads`` explains why both trainers use one thread by default.
 """
 
 from __future__ import annotations
@@ -46,41 +52,79 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from common import MODEL_20M, THREADS_HELP, busy, install_timers, read_timings, timer_env
 
-SIZES = {"small": [], "20m": MODEL_20M}
-"""Model overrides per size: the shipped tiny model (~1M parameters) and ~20M."""
-WARMSTART = {"small": 300, "20m": 30}
-"""Default warm-start steps per size (both trainers' start; not timed). 300 steps lift the
-small model's reward above zero (~0.1); the 20M model's stays ~0 after a warm start that
-fits the time: at that size the run compares speed, not learning."""
-STEPS = {"small": 20, "20m": 5}
-"""Default optimizer steps per trainer and size (the first is a warm-up, not timed)."""
+SMOLLM2 = ROOT / ".cache" / "models" / "smollm2-135m-instruct"
+"""Where the README's ``drmas import-gguf`` puts SmolLM2-135M-Instruct."""
+
+
+@dataclass(frozen=True)
+class Size:
+    """One model size of the comparison: its config and the settings both trainers take."""
+
+    config: str
+    overrides: list[str] = field(default_factory=list)
+    warmstart_steps: int = 0
+    """Both trainers' start (not timed); 0 for a model that already answers."""
+    steps: int = 5
+    """Optimizer steps per trainer (the first is a warm-up, not timed)."""
+    prompts: int = 16
+    group: int = 8
+    micro_batch: int = 32
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    lr: float = 5e-5
+
+
+SIZES = {
+    # ~1M parameters: 300 warm-start steps lift its reward above zero (~0.1).
+    "small": Size("math_solo_tiny.yaml", warmstart_steps=300, steps=20),
+    # ~20M: its reward stays ~0 after a warm start that fits the time: this size compares
+    # speed, not learning.
+    "20m": Size("math_solo_tiny.yaml", MODEL_20M, warmstart_steps=30),
+    # SmolLM2-135M-Instruct on the word problems, with that config's rollout settings.
+    "smollm2": Size(
+        "math_smollm2_word_problems.yaml",
+        ["task.orchestra=solo", "agents=[{name: solver, model: smollm2}]"],
+        prompts=8,
+        group=4,
+        micro_batch=8,
+        max_new_tokens=96,
+        temperature=0.7,
+        top_p=0.95,
+        lr=5e-6,
+    ),
+}
+"""The sizes ``--size`` names; every setting can be changed on the command line."""
 
 
 def drmas_config(size: str, args: argparse.Namespace, scratch: Path):
     from drmas.config import load_config
 
-    warm = WARMSTART[size] if args.warmstart_steps is None else args.warmstart_steps
-    steps = STEPS[size] if args.steps is None else args.steps
+    chosen = SIZES[size]
+    model = [f"models.smollm2.source={args.model}"] if size == "smollm2" else []
     return load_config(
-        ROOT / "configs" / "math_solo_tiny.yaml",
+        ROOT / "configs" / chosen.config,
         [
-            *SIZES[size],
-            f"experiment.iterations={steps}",
+            *chosen.overrides,
+            *model,
+            f"experiment.iterations={args.steps}",
             f"store.root={scratch / 'store'}",
-            f"warmstart.steps={warm}",
+            f"warmstart.steps={args.warmstart_steps}",
             "eval.every=0",
             f"rollout.prompts_per_iteration={args.prompts}",
             f"rollout.group_size={args.group}",
             f"rollout.sampling.max_new_tokens={args.max_new_tokens}",
-            "rollout.sampling.temperature=1.0",
-            "rollout.sampling.top_p=1.0",
+            f"rollout.sampling.temperature={args.temperature}",
+            f"rollout.sampling.top_p={args.top_p}",
             "rollout.sampling.top_k=0",
+            "algorithm.advantage=grpo",
             f"train.lr={args.lr}",
             f"train.micro_batch_size={args.micro_batch}",
             "train.updates_per_iteration=1",
@@ -92,6 +136,21 @@ def drmas_config(size: str, args: argparse.Namespace, scratch: Path):
             "algorithm.loss_aggregation=token-mean",
         ],
     )
+
+
+def size_settings(size: str, args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with every setting the command line left out taken from ``SIZES[size]``."""
+    chosen = SIZES[size]
+    settings = argparse.Namespace(**vars(args))
+    for name in Size.__dataclass_fields__.keys() - {"config", "overrides"}:
+        if getattr(settings, name) is None:
+            setattr(settings, name, getattr(chosen, name))
+    if settings.prompts * settings.group % settings.micro_batch:
+        raise SystemExit(
+            f"{size}: prompts x group ({settings.prompts} x {settings.group}) "
+            f"must be a multiple of the micro-batch ({settings.micro_batch})"
+        )
+    return settings
 
 
 DRMAS_PARTS = {
@@ -130,20 +189,21 @@ def run_size(size: str, args: argparse.Namespace, scratch: Path, timings: Path) 
     from drmas.generation.pool import PoolOnDemand
     from drmas.generation.workers import stop_token_ids
     from drmas.infra.store import Store
-    from drmas.models import load_model, load_tokenizer
+    from drmas.models import chat_prompt, load_model, load_tokenizer
     from drmas.runner import open_run, run_iteration, starting_policies
     from drmas.stages.rollout import draw_questions, task_questions
     from drmas.tasks.math import math_reward
     from drmas.team.agents import SolverAgent
     from drmas.team.episodes import Episode
 
+    args = size_settings(size, args)
     config = drmas_config(size, args, scratch)
     steps = config.experiment.iterations
     store = Store(config.store.root)
     run_id = f"side-by-side-{size}"
     config = open_run(config, store, run_id, resume=False)
     started = time.perf_counter()
-    policies = starting_policies(config, store, run_id)  # scratch model + warm start
+    policies = starting_policies(config, store, run_id)  # the model (+ warm start)
     warm_s = time.perf_counter() - started
     [wg] = list(policies)
     start_dir = store.open(policies[wg].artifact).download(scratch / f"start-{size}", prefix=policies[wg].prefix)
@@ -157,12 +217,14 @@ def run_size(size: str, args: argparse.Namespace, scratch: Path, timings: Path) 
     train_questions = task_questions(config, "train")
     drawn = [q for i in range(steps) for q in draw_questions(train_questions, args.prompts, i, seed)]
     by_qid = {q.qid: q for q in drawn}
-    solver = SolverAgent()
+    solver = SolverAgent(prompts=config.task.prompts)
+    system = config.models[config.agents[0].model].system_prompt
+    head = [{"role": "system", "content": system}] if system else []
     rows = [
-        {"prompt": [{"role": "user", "content": solver.prompt(Episode("u", "t", 0, q), 1)}], "qid": q.qid}
+        {"prompt": [*head, {"role": "user", "content": solver.prompt(Episode("u", "t", 0, q), 1)}], "qid": q.qid}
         for q in drawn
     ]
-    text = tokenizer.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, tokenize=False)
+    text = chat_prompt(tokenizer, rows[0]["prompt"][-1]["content"], system)  # as the rollout renders it
     drmas_ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # as WorkerGroupRuntime._encode
     trl_ids = tokenizer.apply_chat_template(
         [rows[0]["prompt"]], add_generation_prompt=True, tokenize=True, return_dict=True
@@ -247,8 +309,8 @@ def run_size(size: str, args: argparse.Namespace, scratch: Path, timings: Path) 
         gradient_accumulation_steps=args.prompts * args.group // args.micro_batch,
         num_generations=args.group,
         max_completion_length=args.max_new_tokens,
-        temperature=1.0,
-        top_p=1.0,
+        temperature=args.temperature,
+        top_p=args.top_p,
         top_k=0,
         learning_rate=args.lr,
         lr_scheduler_type="constant",
@@ -368,23 +430,22 @@ def report(size: str, result: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=("small", "20m", "both"), default="both")
+    parser.add_argument("--size", choices=(*SIZES, "both"), default="both", help="both: small and 20m")
+    parser.add_argument("--model", default=str(SMOLLM2), help="--size smollm2: the model both trainers start from")
+    defaults = "default: per size (SIZES)"
     parser.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        help=f"optimizer steps per trainer (the first is a warm-up, not timed); default per size: {STEPS}",
+        "--steps", type=int, help=f"optimizer steps per trainer (the first, a warm-up, untimed); {defaults}"
     )
-    parser.add_argument("--warmstart-steps", type=int, default=None, help=f"default per size: {WARMSTART}")
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
-    parser.add_argument("--group", type=int, default=8, help="samples per prompt (TRL num_generations)")
-    parser.add_argument("--micro-batch", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--warmstart-steps", type=int, help=defaults)
+    parser.add_argument("--prompts", type=int, help=f"prompts per step; {defaults}")
+    parser.add_argument("--group", type=int, help=f"samples per prompt (TRL num_generations); {defaults}")
+    parser.add_argument("--micro-batch", type=int, help=defaults)
+    parser.add_argument("--max-new-tokens", type=int, help=defaults)
+    parser.add_argument("--temperature", type=float, help=defaults)
+    parser.add_argument("--top-p", type=float, help=defaults)
+    parser.add_argument("--lr", type=float, help=defaults)
     parser.add_argument("--threads", type=int, default=1, help=THREADS_HELP)
     args = parser.parse_args()
-    if args.prompts * args.group % args.micro_batch:
-        parser.error("--prompts x --group must be a multiple of --micro-batch")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # also in the warm start's worker processes
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
