@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from drmas.config import load_config
+from drmas.stages.rollout import task_questions
 from drmas.tasks.math import load_math_questions
 from drmas.tasks.word_problems import WORD_PROBLEM_TEMPLATES, generate_word_problems
 
@@ -60,6 +61,22 @@ def test_the_config_names_them_and_sizes_them():
     assert len(train) == 64 and all(q.solution and q.qid.startswith("word-train-") for q in train)
     with pytest.raises(ValueError, match="unknown generated set 'word_problem'; known: arithmetic, word_problems"):
         load_math_questions("generated:word_problem", "train", config.data, 0)
+
+
+def test_data_seed_holds_the_questions_still_while_the_experiment_seed_varies():
+    """Unset, ``data.seed`` follows ``experiment.seed`` (each seed of a comparison draws its
+    own questions); set, every experiment seed trains and is evaluated on the same ones."""
+    word_problems = ["data.train=generated:word_problems", "data.eval=generated:word_problems"]
+    sizes = ["data.generated_train_size=40", "data.generated_eval_size=20"]
+
+    def questions(*overrides: str) -> dict[str, list[str]]:
+        config = load_config(ROOT / "configs" / "math_tiny.yaml", [*word_problems, *sizes, *overrides])
+        return {split: [q.question for q in task_questions(config, split)] for split in ("train", "eval")}
+
+    assert questions("experiment.seed=1") != questions("experiment.seed=2")
+    assert questions("experiment.seed=1") == questions("experiment.seed=5", "data.seed=1")
+    held = questions("experiment.seed=1", "data.seed=3")
+    assert held == questions("experiment.seed=2", "data.seed=3") != questions("experiment.seed=3", "data.seed=4")
 
 
 def test_an_impossible_size_is_refused():

@@ -281,6 +281,11 @@ class DataConfig(Section):
     """Questions in a generated training set."""
     generated_eval_size: int = Field(200, ge=1)
     """Questions in a generated eval set."""
+    seed: int | None = None
+    """The seed a generated set (its train and eval questions, the search corpus) is drawn
+    with; unset: ``experiment.seed``. Set it to hold the questions still while the seed
+    varies the rest (the draw order, sampling, initialisation): the seeds of a
+    ``drmas compare`` are then evaluated on the same questions."""
 
 
 TemplateVariables = dict[str, bool | int | float | str]
@@ -1050,6 +1055,11 @@ class DrmasConfig(Section):
     def agent_to_worker_group(self) -> dict[str, str]:
         """Agent name -> worker-group name."""
         return {agent: wg.name for wg in self.worker_groups() for agent in wg.agents}
+
+    @property
+    def data_seed(self) -> int:
+        """The seed of the generated data: ``data.seed``, else ``experiment.seed``."""
+        return self.experiment.seed if self.data.seed is None else self.data.seed
 
     def data_spec(self, split: Literal["train", "eval"]) -> str:
         """Where the ``split`` questions come from: the configured file or generated set."""

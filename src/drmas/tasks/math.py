@@ -377,7 +377,7 @@ class MathTask:
     default_orchestra = "math"
 
     def questions(self, config: DrmasConfig, split: Split) -> list[Question]:
-        return load_math_questions(config.data_spec(split), split, config.data, config.experiment.seed, config.store)
+        return load_math_questions(config.data_spec(split), split, config.data, config.data_seed, config.store)
 
     def tools(self, config: DrmasConfig, store: Store) -> Tools:
         return Tools()

@@ -315,8 +315,8 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="build (or check) the index cache in the store, print the corpus hash, and exit without serving",
     )
-    generated = parser.add_argument_group("generated:facts only: the run's experiment.seed and data sizes")
-    generated.add_argument("--seed", type=int, default=0, help="experiment.seed (default 0)")
+    generated = parser.add_argument_group("generated:facts only: the run's data seed and sizes")
+    generated.add_argument("--seed", type=int, default=0, help="data.seed, else experiment.seed (default 0)")
     generated.add_argument("--generated-train-size", type=int, default=None, help="data.generated_train_size")
     generated.add_argument("--generated-eval-size", type=int, default=None, help="data.generated_eval_size")
     return parser

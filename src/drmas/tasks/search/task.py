@@ -71,7 +71,7 @@ def search_demonstrations(
     question: the mistake of copying the wrong entity.
     """
     task, warm = config.task, config.warmstart
-    plans = demonstration_queries(config.data, config.experiment.seed)
+    plans = demonstration_queries(config.data, config.data_seed)
     router, searcher, answerer = (
         cls(history_length=task.history_length, prompts=task.prompts, parsing=task.parsing)
         for cls in (RouterAgent, SearchAgent, AnswerAgent)
@@ -151,7 +151,7 @@ def retrieval_client(config: DrmasConfig) -> RetrievalClient:
     if task.retrieval_url is None:
         raise ValueError("task.retrieval_url is not set: the search task retrieves in process")
     expected: str | Callable[[], str] = task.retrieval_corpus_hash or (
-        lambda: corpus_hash_for(config.data, config.experiment.seed, config.store, index_method(task))
+        lambda: corpus_hash_for(config.data, config.data_seed, config.store, index_method(task))
     )
     settings = DenseEncoding.of(task) if task.retrieval_method == "dense" else Tokenization.of(task)
     return RetrievalClient(
@@ -172,7 +172,7 @@ class SearchTask:
     default_orchestra = "search"
 
     def questions(self, config: DrmasConfig, split: Split) -> list[Question]:
-        return load_qa(config.data_spec(split), split, config.data, config.experiment.seed, config.store)
+        return load_qa(config.data_spec(split), split, config.data, config.data_seed, config.store)
 
     def tools(self, config: DrmasConfig, store: Store) -> Tools:
         """The in-process retriever of ``task.retrieval_method`` (its index cached in the
@@ -180,11 +180,11 @@ class SearchTask:
         (checked on first use to serve the corpus this config names, indexed alike)."""
         if config.task.retrieval_url:
             return Tools(retriever=retrieval_client(config))
-        passages = corpus_for(config.data, config.experiment.seed, config.store)
+        passages = corpus_for(config.data, config.data_seed, config.store)
         return Tools(retriever=cached_retriever(passages, store, index_method(config.task)))
 
     def corpus(self, config: DrmasConfig) -> list[str]:
-        return [passage.text for passage in corpus_for(config.data, config.experiment.seed, config.store)]
+        return [passage.text for passage in corpus_for(config.data, config.data_seed, config.store)]
 
     def demonstrations(
         self, config: DrmasConfig, questions: list[Question], tools: Tools, rng: np.random.Generator
