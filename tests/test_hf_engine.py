@@ -149,3 +149,24 @@ def test_a_prompt_asked_several_times_samples_each_request_as_if_alone(policy):
     alone = [engine.generate([p], SAMPLING, stop_ids=[0], seeds=[s])[0] for p, s in zip(prompts, seeds, strict=True)]
     assert [g.response_ids for g in together] == [g.response_ids for g in alone]
     assert len({tuple(g.response_ids) for g in together[:2]}) == 2  # copies do not share a sample
+
+
+def test_rows_leaving_the_cache_move_the_last_rows_into_their_places(policy):
+    """``drop_rows``: the kept rows' keys and values are what they were, in the order it
+    returns, each kept row among the first ones staying where it was."""
+    from drmas.generation.engines.decode import _forward_with, drop_rows, left_pad, reserved_cache
+
+    model = _engine(policy).model
+    prompts = [[5, 6, 7], [9, 10, 11], [12, 13, 14], [15, 16, 17], [18, 19, 20], [21, 22, 23]]
+    ids, mask = left_pad(prompts, 0, torch.device("cpu"))
+    cache = reserved_cache(model, 10)
+    _forward_with(model, cache)(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    order = drop_rows(cache, [0, 2, 4, 5])
+    assert order == [0, 4, 2, 5]
+    for layer, (keys, values) in zip(cache.layers, before, strict=True):
+        assert torch.equal(layer.keys, keys[order]) and torch.equal(layer.values, values[order])
+    # The cache goes on: the next step writes into the kept rows' room.
+    step = torch.tensor([[30], [31], [32], [33]])
+    _forward_with(model, cache)(step, torch.ones(4, 4, dtype=torch.long), torch.full((4, 1), 3))
+    assert cache.get_seq_length() == 4 and cache.layers[0].keys.shape[0] == 4

@@ -10,7 +10,8 @@ engines do (SGLang's prefix cache, vLLM's prefix caching and finished-request ev
 - each distinct prompt is prefilled once, and its KV cache copied to the requests that ask
   it (``Cache.reorder_cache`` with repeated indices);
 - a row that ends (a stop token) leaves the batch and the cache at once, so later steps run
-  on the rows still decoding;
+  on the rows still decoding; the last rows move into the places it leaves (``drop_rows``),
+  so that a departure copies the rows that move, not the whole cache;
 - the log-prob of each sampled token is taken at its step; no logits are kept.
 
 Sampling is what :class:`RequestSampler` draws: each request from its own generator (its
@@ -35,7 +36,7 @@ from transformers.cache_utils import DynamicLayer
 from drmas.config import SamplingConfig
 from drmas.generation.engines.base import Generation
 
-__all__ = ["RequestSampler", "ReservedLayer", "decode", "left_pad", "reserved_cache"]
+__all__ = ["RequestSampler", "ReservedLayer", "decode", "drop_rows", "left_pad", "reserved_cache"]
 
 
 class RequestSampler:
@@ -128,10 +129,10 @@ def decode(
         if step == sampling.max_new_tokens - 1 or not bool(going.any()):
             break
         if not bool(going.all()):  # the ended rows leave the batch and the cache
-            keep = going.nonzero().squeeze(-1)
-            cache.reorder_cache(keep)
-            active = [active[row] for row in keep.tolist()]
-            tokens, attention_mask, next_position = tokens[keep], attention_mask[keep], next_position[keep]
+            order = drop_rows(cache, going.nonzero().squeeze(-1).tolist())
+            active = [active[row] for row in order]
+            index = torch.tensor(order, device=device)
+            tokens, attention_mask, next_position = tokens[index], attention_mask[index], next_position[index]
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=-1)
         logits = forward(tokens.unsqueeze(-1), attention_mask, next_position.unsqueeze(-1))
         next_position = next_position + 1
@@ -142,12 +143,38 @@ def decode(
     ]
 
 
+def drop_rows(cache: DynamicCache, keep: list[int]) -> list[int]:
+    """Keep only the batch rows ``keep`` (ascending) of ``cache``; returns the new order:
+    row j now holds what row ``order[j]`` held. A kept row among the first ``len(keep)``
+    stays where it is; each later kept row moves into a place an ended row leaves. A
+    ``ReservedLayer`` copies only the rows that move (``ReservedLayer.move_rows``; a
+    reorder would copy every kept row's whole room: ~13 MB a row for SmolLM2-135M with
+    ~300 positions); any other layer is reordered."""
+    count = len(keep)
+    holes = iter(sorted(set(range(count)) - set(keep)))
+    order = list(range(count))
+    for row in keep:
+        if row >= count:
+            order[next(holes)] = row
+    index: torch.Tensor | None = None
+    for layer in cache.layers:
+        if isinstance(layer, ReservedLayer):
+            layer.move_rows(order)
+        else:
+            if index is None:
+                index = torch.tensor(order, device=layer.keys.device)
+            layer.reorder_cache(index)
+    return order
+
+
 class ReservedLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys and values are written into room reserved once for
     the longest sequence, instead of concatenated into new tensors at every step: on CPU
     the copy and allocation of the growing cache took 62% of a 16-row SmolLM2 decode step.
-    ``keys``/``values`` are views of the room, so every reader of a ``DynamicLayer`` works
-    as before; ``reorder_cache`` (the rows' copies and departures) selects rows of the room."""
+    ``keys``/``values`` are views of the room's first rows (those of the batch), so every
+    reader of a ``DynamicLayer`` works as before; ``reorder_cache`` (a prompt's prefill
+    copied to its requests) selects rows of the room, ``move_rows`` (ended rows leaving)
+    moves the few rows that change place."""
 
     def __init__(self, room: int) -> None:
         super().__init__()
@@ -165,9 +192,10 @@ class ReservedLayer(DynamicLayer):
         if self.key_room is None or self.key_room.shape[-2] < end:
             self.key_room = self._reserve(self.keys, key_states, start, end)
             self.value_room = self._reserve(self.values, value_states, start, end)
-        self.key_room[:, :, start:end] = key_states
-        self.value_room[:, :, start:end] = value_states
-        self.keys, self.values = self.key_room[:, :, :end], self.value_room[:, :, :end]
+        rows = key_states.shape[0]
+        self.key_room[:rows, :, start:end] = key_states
+        self.value_room[:rows, :, start:end] = value_states
+        self.keys, self.values = self.key_room[:rows, :, :end], self.value_room[:rows, :, :end]
         return self.keys, self.values
 
     def _reserve(self, kept: torch.Tensor, new: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -184,6 +212,20 @@ class ReservedLayer(DynamicLayer):
             self.key_room = self.key_room.index_select(0, beam_idx.to(self.key_room.device))
             self.value_room = self.value_room.index_select(0, beam_idx.to(self.value_room.device))
             self.keys, self.values = self.key_room[:, :, :length], self.value_room[:, :, :length]
+
+    def move_rows(self, order: list[int]) -> None:
+        """The batch becomes rows ``order`` of the current one, where ``order[j]`` is j or
+        a row past the new batch's end (``drop_rows``): only those rows are copied."""
+        if self.key_room is None or self.value_room is None:
+            return
+        length = self.get_seq_length()
+        moves = [(target, source) for target, source in enumerate(order) if target != source]
+        if moves:
+            targets, sources = (torch.tensor(side, device=self.key_room.device) for side in zip(*moves, strict=True))
+            self.key_room[targets, :, :length] = self.key_room[sources, :, :length]
+            self.value_room[targets, :, :length] = self.value_room[sources, :, :length]
+        rows = len(order)
+        self.keys, self.values = self.key_room[:rows, :, :length], self.value_room[:rows, :, :length]
 
 
 def reserved_cache(model: torch.nn.Module, room: int) -> DynamicCache:
