@@ -67,8 +67,12 @@ def test_weights_that_do_not_fit_the_model_are_refused(policy):
     with pytest.raises(ValueError, match=r"unknown \['not.a.weight'\]"):
         engine.set_weights(weights)
     del weights["not.a.weight"], weights["model.norm.weight"]
+    weights = {name: tensor + 1.0 for name, tensor in weights.items()}
     with pytest.raises(ValueError, match="missing.*model.norm.weight"):
         engine.set_weights(weights)
+    # Refused before anything was copied: the engine still holds the policy it loaded.
+    loaded = load_model(policy).state_dict()
+    assert all(torch.equal(tensor, loaded[name]) for name, tensor in engine.model.state_dict().items())
 
 
 @pytest.mark.parametrize(

@@ -198,7 +198,7 @@ class WorkerGroupRuntime:
     def _prune_cache(self, local: Path, base: PolicyRef | None) -> None:
         """Remove this worker group's other cached versions: the cache would otherwise keep
         every version ever loaded on the node (tens of GB each at the recipes' sizes) until
-        the pod's disk fills. Kept: the version just loaded (the HF engine reloads from its
+        the pod's disk fills. Kept: the version just loaded (SGLang's engine reloads from its
         folder after releasing memory), its merged weights and its LoRA base. The group's
         workers on a node load versions together (the pool waits for all of them), so none
         still reads a version pruned here; another worker's download in progress (a
