@@ -143,6 +143,52 @@ def test_greedy_decoding_is_what_model_generate_gives_with_rows_ending_apart(pol
         assert torch.allclose(torch.tensor(generation.logprobs), expected, atol=1e-5)
 
 
+def test_a_prefix_every_prompt_shares_is_prefilled_once_and_decodes_as_model_generate(policy):
+    """Prompts that start alike (a system prompt): the shared tokens go through the model
+    once, each prompt's own tokens after them. Greedy tokens are what ``model.generate``
+    gives on the left-padded batch; log-probs within float noise of its logits."""
+    from drmas.generation.engines import decode as decoding
+
+    engine = _engine(policy)
+    head = [(7 * i) % 100 + 5 for i in range(40)]
+    own = [[50, 51, 52], [60], [70, 71, 72, 73, 74], [80, 81], [90, 91, 92, 93]]
+    prompts = [head + tail for tail in own] + [head + own[1]]  # one asked twice
+    assert decoding.shared_prefix(list(dict.fromkeys(map(tuple, prompts)))) == 40
+    calls = []
+    forward_with = decoding._forward_with
+
+    def counted(model, cache):
+        step = forward_with(model, cache)
+        return lambda ids, mask, positions: calls.append(ids.shape) or step(ids, mask, positions)
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    reference = engine.model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=8,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=8)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decoding, "_forward_with", counted)
+        out = engine.generate(prompts, greedy, stop_ids=[119], seeds=[0] * len(prompts))
+    assert calls[:2] == [torch.Size([1, 40]), torch.Size([5, 5])]  # the shared head, then each prompt's own
+    logprobs = torch.stack([torch.log_softmax(step.float(), dim=-1) for step in reference.logits], dim=1)
+    for row, generation in enumerate(out):
+        tokens = reference.sequences[row, width:]
+        stop = (tokens == 119).nonzero()
+        end = stop[0].item() + 1 if len(stop) else 8
+        assert generation.response_ids == tokens[:end].tolist()
+        expected = logprobs[row, :end].gather(-1, tokens[:end, None])[:, 0]
+        assert torch.allclose(torch.tensor(generation.logprobs), expected, atol=1e-4)
+
+
 def test_a_prompt_asked_several_times_samples_each_request_as_if_alone(policy):
     """A prompt prefilled once for its copies: each copy still samples from its own seed,
     as it would alone in a batch."""
