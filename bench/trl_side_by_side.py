@@ -88,10 +88,12 @@ SIZES = {
     # ~20M: its reward stays ~0 after a warm start that fits the time: this size compares
     # speed, not learning.
     "20m": Size("math_solo_tiny.yaml", MODEL_20M, warmstart_steps=30),
-    # SmolLM2-135M-Instruct on the word problems, with that config's rollout settings.
+    # SmolLM2-135M-Instruct on the word problems, with that config's rollout settings; in
+    # float32 (the config's dtype auto takes bf16 on a CPU with AMX): TRL trains the fp32
+    # model it is given (bf16=False).
     "smollm2": Size(
         "math_smollm2_word_problems.yaml",
-        ["task.orchestra=solo", "agents=[{name: solver, model: smollm2}]"],
+        ["task.orchestra=solo", "agents=[{name: solver, model: smollm2}]", "models.smollm2.dtype=float32"],
         prompts=8,
         group=4,
         micro_batch=8,
