@@ -355,7 +355,7 @@ class GroupPlan:
     state (a bf16 copy of the rank's weight partition and one parameter's gradient)."""
     engine_host: int
     """The engine's weights in host memory: SGLang's backup of a released engine
-    (``enable_weights_cpu_backup``), the HF engine's copy of the handed-over weights."""
+    (``enable_weights_cpu_backup``), the HF engine's model moved to the host while released."""
     load_host: int
     """A cold update (a new worker, a restart, another policy) loads the whole model on the
     host on every rank before the engine moves it to the device (``_start_training``).
