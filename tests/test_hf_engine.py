@@ -110,25 +110,32 @@ def test_the_sampler_draws_from_the_distribution_transformers_warpers_give(tempe
     assert torch.allclose(logprobs, torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens[:, None])[:, 0])
 
 
+def _generate_greedily(model, prompts: list[list[int]], max_new_tokens: int):
+    """transformers' own greedy ``generate`` on the left-padded batch (pad 0, no stop
+    token), with every step's logits: the reference the decode loop is held to. Returns
+    (the padded prompt width, generate's output)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return width, model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+
+
 def test_greedy_decoding_is_what_model_generate_gives_with_rows_ending_apart(policy):
     """The engine's decode loop (each distinct prompt prefilled once, ended rows leaving the
     batch, the cache written into reserved room) against transformers' own ``generate`` on
     the same left-padded batch: the same tokens, and log-probs those of generate's logits."""
     engine = _engine(policy)
     prompts = [*PROMPTS, PROMPTS[0], PROMPTS[2]]  # two prompts asked twice
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    reference = engine.model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        do_sample=False,
-        max_new_tokens=12,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
+    width, reference = _generate_greedily(engine.model, prompts, 12)
     tokens = reference.sequences[:, width:]
     # A stop token that ends some rows early and others not at all, so that rows leave the batch apart.
     stop = tokens[0, 3].item()
@@ -161,19 +168,7 @@ def test_a_prefix_every_prompt_shares_is_prefilled_once_and_decodes_as_model_gen
         step = forward_with(model, cache)
         return lambda ids, mask, positions: calls.append(ids.shape) or step(ids, mask, positions)
 
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    reference = engine.model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        do_sample=False,
-        max_new_tokens=8,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
+    width, reference = _generate_greedily(engine.model, prompts, 8)
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=8)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(decoding, "_forward_with", counted)
