@@ -48,7 +48,7 @@ class HFEngine:
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         if self.model is None:
             raise RuntimeError("set_weights() before load(): no model to put the weights into")
-        load_weights(self.model, {name: tensor.detach() for name, tensor in weights.items()})
+        load_weights(self.model, weights)  # load_state_dict copies without autograd
 
     def offload(self) -> None:
         if self.model is not None and self.device.type != "cpu":
