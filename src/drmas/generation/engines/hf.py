@@ -1,6 +1,6 @@
 """The transformers engine: batched, left-padded, KV-cached sampling on CPU (or one GPU),
 through drmas's decode loop (``decode``: each distinct prompt prefilled once, ended rows
-leaving the batch)."""
+leaving the batch), on a CPU with the linears' weights packed for oneDNN (``PackedLinears``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from drmas.config import SamplingConfig
 from drmas.generation.engines.base import Generation
 from drmas.generation.engines.decode import decode
+from drmas.generation.engines.packed import PackedLinears
 from drmas.models import load_model
 
 
@@ -23,7 +24,9 @@ class HFEngine:
     a fixed cost of every rollout, ~1 s for a 135M model, for no memory saved, since the
     handed-over weights were kept beside it). An update's weights handed over in memory
     (``set_weights``) are copied into the model, wherever it is, so the engine holds one
-    copy of its weights.
+    copy of its weights, and while it decodes on a CPU a second, packed for oneDNN's matmul
+    (``PackedLinears``: packed at the first decode after a change of weights, dropped when
+    the engine is released).
 
     Each request samples from its own random stream (its seed), so a response does not
     depend on its batch-mates: the same requests split over any number of engines sample
@@ -35,6 +38,7 @@ class HFEngine:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model: torch.nn.Module | None = None
         self.on_device = False
+        self.packed = PackedLinears()
 
     @property
     def resident(self) -> bool:
@@ -42,6 +46,7 @@ class HFEngine:
 
     def load(self, policy_dir: Path) -> None:
         self.model = None  # the previous policy's memory goes before the next one is read
+        self.packed.release()
         self.model = load_model(Path(policy_dir), self.dtype).to(self.device)
         self.on_device = True
 
@@ -51,6 +56,7 @@ class HFEngine:
         load_weights(self.model, weights)  # load_state_dict copies without autograd
 
     def offload(self) -> None:
+        self.packed.release()
         if self.model is not None and self.device.type != "cpu":
             self.model.to("cpu")
             torch.cuda.empty_cache()
@@ -70,7 +76,8 @@ class HFEngine:
         if not prompts:
             return []
         self.resume()
-        return decode(self.model, prompts, sampling, stop_ids, seeds)
+        with self.packed.installed(self.model):
+            return decode(self.model, prompts, sampling, stop_ids, seeds)
 
 
 def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
