@@ -36,6 +36,10 @@ def test_each_request_samples_alike_whatever_batch_it_is_in(policy):
     head = engine.generate(PROMPTS[:1], SAMPLING, stop_ids=[0], seeds=request_seeds(7, 0, 1))
     tail = engine.generate(PROMPTS[1:], SAMPLING, stop_ids=[0], seeds=request_seeds(7, 1, 3))
     assert [g.response_ids for g in head + tail] == [g.response_ids for g in whole]
+    engine.MAX_ROWS = 3  # a call larger than a decode's rows goes in chunks, sampling alike
+    assert [g.response_ids for g in engine.generate(PROMPTS, SAMPLING, [0], request_seeds(7, 0, 4))] == [
+        g.response_ids for g in whole
+    ]
     other = engine.generate(PROMPTS, SAMPLING, stop_ids=[0], seeds=request_seeds(8, 0, 4))
     assert [g.response_ids for g in other] != [g.response_ids for g in whole]
     # The log-probs are those of the tokens sampled, at the sampling temperature.
