@@ -32,7 +32,7 @@ GPU_PINS_DIR := .venv-gpu-pins
 GPU_PINS_STAMP := $(GPU_PINS_DIR)/.installed-$(shell cat $(GPU_PINS) 2>/dev/null | sha256sum | cut -c1-16)
 GPU_PINS_TESTS := tests/test_gpu_pins.py tests/test_update.py tests/test_lora.py tests/test_mixed_precision.py \
 	tests/test_checkpoints.py tests/test_deepspeed_bf16.py tests/test_partitioned_load.py tests/test_cold_start.py \
-	tests/test_hf_engine.py tests/test_packed_linears.py
+	tests/test_hf_engine.py
 
 .PHONY: venv run test test-fast test-gpu-pins lint fmt ui clean-venv
 

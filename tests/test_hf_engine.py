@@ -58,9 +58,8 @@ def test_weights_taken_in_memory_are_generated_from_and_survive_an_offload(polic
     engine.set_weights(changed)
     after = engine.generate(PROMPTS, greedy, stop_ids=[0], seeds=[0] * 4)
     assert [g.response_ids for g in after] != [g.response_ids for g in before]
-    assert len(engine.packed) > 0  # on a CPU the linears decode from packed copies
     engine.offload()
-    assert not engine.resident and len(engine.packed) == 0  # released with the engine
+    assert not engine.resident
     assert engine.generate(PROMPTS, greedy, stop_ids=[0], seeds=[0] * 4) == after
     assert all(torch.equal(engine.model.state_dict()[name], changed[name]) for name in changed)
 

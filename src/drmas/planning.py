@@ -318,9 +318,8 @@ class GroupPlan:
     micro_batch_tokens: int
     engine_share: int | None
     """SGLang's static share (weights + KV cache), of the device memory free when the engine
-    starts; None for the HF engine (transformers: weights only, its KV cache grows per call;
-    on a CPU, where the plan's device is the host, a second copy of the weights while it
-    decodes, packed for oneDNN: not counted here) or an unknown device."""
+    starts; None for the HF engine (transformers: weights only, its KV cache grows per call)
+    or an unknown device."""
     engine_weights: int
     kv_cache: int | None
     kv_tokens: int | None
