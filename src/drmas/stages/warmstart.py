@@ -34,6 +34,7 @@ from drmas.config import DrmasConfig
 from drmas.generation.workers import truncate_prompt
 from drmas.infra.cpus import cpu_threads
 from drmas.infra.layout import PolicyRef
+from drmas.infra.memory import return_freed_memory
 from drmas.infra.progress import Progress
 from drmas.infra.store import Store, StoreSettings
 from drmas.models import chat_prompt, load_model, load_tokenizer
@@ -69,8 +70,10 @@ def warmstart(config: DrmasConfig, store: Store, run_id: str, init: dict[str, Po
             )
     if len(todo) == 1:
         _warm_one(*todo[0], threads=torch.get_num_threads())
+        return_freed_memory()  # the training's peak, which this process would keep for the run
     elif todo and config.warmstart.steps <= IN_PROCESS_STEPS:
         _warm_in_turn(todo, threads=_thread_share(len(todo)))
+        return_freed_memory()
     elif todo:
         with ProcessPoolExecutor(max_workers=len(todo), mp_context=multiprocessing.get_context("spawn")) as workers:
             share = _thread_share(len(todo))
