@@ -10,7 +10,6 @@ resident size: measured on SmolLM2-135M, 4.67 GB after four warm-start steps, of
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 __all__ = ["return_freed_memory"]
 
@@ -18,11 +17,8 @@ __all__ = ["return_freed_memory"]
 def return_freed_memory() -> bool:
     """Return the heap memory this process has freed to the operating system (glibc's
     ``malloc_trim``); False where the C library has none (macOS, musl)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
+    try:  # the process's own symbols: no library search (find_library runs ldconfig)
+        trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return False
     trim.argtypes = [ctypes.c_size_t]
