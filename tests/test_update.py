@@ -289,6 +289,79 @@ def test_non_finite_gradient_skips_the_step(tmp_path):
     assert all(torch.equal(before[k], after[k]) for k in before)  # no NaN reached the checkpoint
 
 
+def _flatten_first_prompt(store: Store, artifact: str) -> int:
+    """Sets the advantage of the first prompt's rows to 0, as a group whose episodes all
+    scored alike has it; returns how many rows keep a non-zero advantage."""
+    batch = store.open(artifact).read_table("batch.parquet")
+    flat = np.array(batch["uid"].to_pylist()) == "u0"
+    advantages = np.where(flat, 0.0, batch["advantage"].to_numpy())
+    column = batch.schema.get_field_index("advantage")
+    with store.writer(artifact, overwrite=True) as out:
+        out.write_table(
+            "batch.parquet", batch.set_column(column, "advantage", pa.array(advantages, pa.float32())), BATCH_SCHEMA
+        )
+    return int((~flat).sum())
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_rows_without_advantage_are_left_out_and_the_step_is_the_same(tmp_path, monkeypatch, aggregation):
+    """Rows whose advantage is 0 add nothing to the gradient: the update leaves them out
+    of every pass (old log-probs, the per-agent norms, the steps) and must give the
+    weights that passing every row gives (``rows_with_gradient`` replaced by the identity
+    for the reference run), with the same per-agent gradient norms."""
+    import drmas.training.loop as loop
+
+    results = {}
+    for name in ("skipping", "every-row"):
+        config, store, policy, _ = make_run(
+            tmp_path / name,
+            "train.updates_per_iteration=2",
+            "train.recompute_old_logprobs=true",
+            "diagnostics.per_agent_grad_norm=true",
+            f"algorithm.loss_aggregation={aggregation}",
+        )
+        result = advantage(config, store, "run", 0)
+        informative = _flatten_first_prompt(store, result.artifact)
+        if name == "every-row":
+            monkeypatch.setattr(loop, "rows_with_gradient", lambda rows, config: rows)
+        updated = update(config, store, "run", 0, WG, policy, None)
+        weights = load_file(str(store.open(updated.artifact).download(tmp_path / name / "w") / "model.safetensors"))
+        results[name] = (weights, updated.metrics)
+    (skipping, metrics), (every_row, reference) = results["skipping"], results["every-row"]
+    assert metrics[f"wg/{WG}/rows_trained"] == informative == 4
+    assert reference[f"wg/{WG}/rows_trained"] == reference[f"wg/{WG}/rows"] == 8
+    assert metrics[f"wg/{WG}/tokens"] < reference[f"wg/{WG}/tokens"]
+    for agent in ("solver", "verifier"):
+        assert metrics[f"agent/{agent}/grad_norm"] == pytest.approx(reference[f"agent/{agent}/grad_norm"], rel=1e-5)
+    assert metrics[f"wg/{WG}/grad_norm"] == pytest.approx(reference[f"wg/{WG}/grad_norm"], rel=1e-5)
+    for key, value in every_row.items():
+        torch.testing.assert_close(skipping[key], value, rtol=0, atol=1e-6)
+    initial = load_file(str(store.open(policy.artifact).download(tmp_path / "initial") / "model.safetensors"))
+    assert any(not torch.equal(skipping[key], value) for key, value in initial.items())  # the step moved them
+
+
+def test_every_row_is_trained_when_the_loss_has_a_term_without_the_advantage(tmp_path):
+    """A KL or entropy term has a gradient on every row, and veRL's per-micro-batch token
+    mean's normaliser depends on how rows are packed: then no row is left out. With none
+    of them, only the rows with an advantage stay, and one row when no row has one."""
+    from drmas.config import load_config
+    from drmas.training.loop import rows_with_gradient
+
+    rows = [
+        {"advantage": a, "prompt_ids": [1] * p, "response_ids": [2] * 3}
+        for a, p in [(0.0, 5), (0.5, 4), (0.0, 2), (-0.5, 6)]
+    ]
+    config_of = lambda *o: load_config(ROOT / "configs" / "math_tiny.yaml", list(o))  # noqa: E731
+    assert rows_with_gradient(rows, config_of()) == [rows[1], rows[3]]
+    assert rows_with_gradient([rows[0], rows[2]], config_of()) == [rows[2]]  # the shortest
+    for override in (
+        "algorithm.kl_coef=0.1",
+        "algorithm.entropy_coef=0.01",
+        "algorithm.loss_aggregation=token-mean-per-micro-batch",
+    ):
+        assert rows_with_gradient(rows, config_of(override)) == rows, override
+
+
 def test_per_agent_grad_norms_and_kl_to_the_reference(tmp_path):
     config, store, policy, _ = make_run(tmp_path, "diagnostics.per_agent_grad_norm=true", "algorithm.kl_coef=0.1")
     advantage(config, store, "run", 0)

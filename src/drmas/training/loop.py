@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from drmas.training.batching import (
 )
 from drmas.training.engines import TrainEngine, full_shape
 
-__all__ = ["MiniBatchSize", "train_worker_group"]
+__all__ = ["MiniBatchSize", "rows_with_gradient", "train_worker_group"]
 
 
 @dataclass(frozen=True)
@@ -53,12 +54,19 @@ def train_worker_group(
     }
     norms, skipped, tokens = [], 0, 0
     agent_norms: dict[str, list[float]] = {}
+    minis = [[rows[i] for i in mini] for mini in np.array_split(order, steps)]
+    trained = [rows_with_gradient(mini_rows, config) for mini_rows in minis]
     if train.recompute_old_logprobs:
         _recompute_old_logprobs(
-            model, rows, pad_id, group.micro_batch_size, train.max_tokens_per_micro_batch, config, engine.device
+            model,
+            [row for kept in trained for row in kept],
+            pad_id,
+            group.micro_batch_size,
+            train.max_tokens_per_micro_batch,
+            config,
+            engine.device,
         )
-    minis = [[rows[i] for i in mini] for mini in np.array_split(order, steps)]
-    packed = [micro_batches(mini_rows, group.micro_batch_size, train.max_tokens_per_micro_batch) for mini_rows in minis]
+    packed = [micro_batches(kept, group.micro_batch_size, train.max_tokens_per_micro_batch) for kept in trained]
     # Every rank runs the busiest rank's count of micro-batches (rank_batches).
     progress = Progress(
         sum(-(-len(packs) // world) for packs in packed),
@@ -67,9 +75,10 @@ def train_worker_group(
         final_line=False,
         shown=rank == 0,
     )
-    for step_index, (mini_rows, packs) in enumerate(zip(minis, packed, strict=True)):
-        size = MiniBatchSize(sum(len(r["response_ids"]) for r in mini_rows), len(mini_rows), len(packs))
-        batches = [batch.to(engine.device) for batch in rank_batches(mini_rows, packs, pad_id, rank, world)]
+    for step_index, (mini_rows, kept, packs) in enumerate(zip(minis, trained, packed, strict=True)):
+        size = MiniBatchSize(_response_tokens(mini_rows), len(mini_rows), len(packs))
+        kept_tokens = _response_tokens(kept)
+        batches = [batch.to(engine.device) for batch in rank_batches(kept, packs, pad_id, rank, world)]
         if config.diagnostics.per_agent_grad_norm:
             agents = sorted({row["agent"] for row in mini_rows})
             for agent, norm in _agent_grad_norms(
@@ -79,7 +88,7 @@ def train_worker_group(
         for index, batch in enumerate(batches):
             loss, stats = _forward_backward(engine, ref_model, batch, size, config, boundary=index == len(batches) - 1)
             totals["loss"] += loss.item() / steps
-            weight = batch.response_mask.sum().item() / max(size.tokens, 1)
+            weight = batch.response_mask.sum().item() / max(kept_tokens, 1)  # metrics: over the rows trained
             for key, value in stats.items():
                 if key == "logprob_gap":  # rollout engine vs trainer: only before any step
                     totals[key] += value * weight if step_index == 0 else 0.0
@@ -89,7 +98,7 @@ def train_worker_group(
         stepped, norm = engine.step(engine.grad_norm())
         skipped += int(not stepped or not math.isfinite(norm))
         norms.append(norm)
-        tokens += size.tokens
+        tokens += kept_tokens
     progress.close()
     if world > 1:  # each rank saw its share of the micro-batches: sum the shares
         shares = torch.tensor(list(totals.values()), dtype=torch.float64, device=engine.device)  # nccl: on the GPU
@@ -104,6 +113,7 @@ def train_worker_group(
         f"{prefix}/steps": float(steps),
         f"{prefix}/tokens": float(tokens),
         f"{prefix}/rows": float(len(rows)),
+        f"{prefix}/rows_trained": float(sum(len(kept) for kept in trained)),
         f"{prefix}/lr": engine.lr(),
     }
     if engine.device.type == "cuda":  # the whole update process's peak, loading included
@@ -113,6 +123,31 @@ def train_worker_group(
     if algorithm.kl_coef == 0.0:
         metrics.pop(f"{prefix}/kl")
     return metrics
+
+
+def rows_with_gradient(rows: list[dict[str, Any]], config: DrmasConfig) -> list[dict[str, Any]]:
+    """The rows of a mini-batch that go through the model: those whose loss has a gradient.
+
+    A row whose advantage is exactly 0 adds exactly 0 to the clipped objective's gradient
+    (both branches are -A x ratio), so it is left out when the loss has no KL or entropy
+    term (which every row feeds) and its normaliser does not depend on how the rows are
+    packed (every aggregation but ``token-mean-per-micro-batch``): the mini-batch's token
+    and row counts still count every row, so the step is the one the whole mini-batch
+    gives. A GRPO group whose episodes all scored alike is all zeros: two rows in three
+    in the SmolLM2 word-problem runs. One row (the shortest) stays when none has a
+    gradient, so that the step still runs, as it would have, and moves by its momentum.
+    """
+    algorithm = config.algorithm
+    if algorithm.kl_coef != 0.0 or algorithm.entropy_coef != 0.0:
+        return rows
+    if algorithm.loss_aggregation == "token-mean-per-micro-batch":
+        return rows
+    kept = [row for row in rows if row["advantage"] != 0.0]
+    return kept or [min(rows, key=lambda row: len(row["prompt_ids"]) + len(row["response_ids"]))]
+
+
+def _response_tokens(rows: list[dict[str, Any]]) -> int:
+    return sum(len(row["response_ids"]) for row in rows)
 
 
 def _agent_grad_norms(
