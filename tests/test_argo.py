@@ -15,13 +15,14 @@ from helpers import LOG_MARK, TINY_OVERRIDES, via_kfp_local
 
 SETTINGS = [
     *TINY_OVERRIDES,
-    "experiment.iterations=3",
+    "experiment.iterations=2",
     "eval.every=1",
     "eval.max_questions=2",
     "eval.k=2",
     "warmstart.steps=0",
 ]
-"""The tiny math team, 3 iterations, an evaluation before training and after each."""
+"""The tiny math team, 2 iterations (the pool passes from one iteration's tasks to the
+next's), an evaluation before training and after each."""
 
 POOL_TASKS = re.compile(r"(rollout|update|evaluate)(-\d+)?")
 LINE = re.compile(r"^(?:\d{4}-\d\d-\d\d )?(\d\d):(\d\d):(\d\d)[.,](\d{3}) - \w+ - (.*)$")
@@ -76,13 +77,13 @@ def test_a_run_as_argo_runs_it_equals_a_sequential_one_and_never_shares_the_pool
     sequential = via_kfp_local(tmp_path / "sequential", SETTINGS, "--run-id", "k")
     parallel = via_kfp_local(tmp_path / "parallel", SETTINGS, "--run-id", "k", "--parallel")
     expected = stored_results(tmp_path / "sequential" / "runs")
-    assert sum(name.endswith("/checkpoint") for name in expected) == 3
-    assert sum("evaluate" in name for name in expected) == 4  # before training, after each iteration
+    assert sum(name.endswith("/checkpoint") for name in expected) == 2
+    assert sum("evaluate" in name for name in expected) == 3  # before training, after each iteration
     assert stored_results(tmp_path / "parallel" / "runs") == expected
 
     intervals = task_intervals(parallel.split(LOG_MARK, 1)[1])
     pool_users = sorted((span, name) for name, span in intervals.items() if POOL_TASKS.fullmatch(name))
-    assert len(pool_users) == 3 + 3 * 2 + 4  # rollouts, two updates each, evaluations
+    assert len(pool_users) == 2 + 2 * 2 + 3  # rollouts, two updates each, evaluations
     for (before, first), (after, second) in zip(pool_users[:-1], pool_users[1:], strict=True):
         assert after[0] >= before[1], f"{second} started before {first} had finished: both on the pool"
     # The parallel run did run independent tasks at once (the MLflow steps beside the stages).

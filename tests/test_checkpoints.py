@@ -1,7 +1,8 @@
 """Checkpoints that fit a disk: the optimizer state is stored every ``checkpoint.every``-th
 iteration and after the last (the pool holds it in between); the checkpoint stage keeps the
-last ``checkpoint.keep`` of them and the latest, and deletes the rest; policies are all kept;
-a resume starts from the latest iteration whose optimizer state was stored."""
+last ``checkpoint.keep`` of them and the latest, and deletes the rest; policies are all kept,
+or with ``checkpoint.prune_policies`` only those a resume or a later stage can read; a resume
+starts from the latest iteration whose optimizer state was stored."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from helpers import ROOT
 from drmas.config import load_config
 from drmas.infra.layout import PolicyRef, optim_path, policy_path, run_path
 from drmas.infra.store import Store
-from drmas.stages.checkpoint import checkpoint, prune_optimizer_states
+from drmas.stages.checkpoint import checkpoint, prune_optimizer_states, resume_point
 
 RUN = "run"
 
@@ -109,3 +110,48 @@ def test_a_resume_starts_after_the_last_stored_optimizer_state(tmp_path, monkeyp
     start = resume_point(config, store, RUN)
     assert start.next_iteration == 3
     assert start.optims == {wg: PolicyRef(optim_path(experiment, RUN, 2, wg)) for wg in ("solver", "verifier")}
+
+
+def policy_iterations(config, store) -> list[int]:
+    paths = store.list(run_path(config.experiment.name, RUN))
+    return sorted({int(p.split("/")[2].removeprefix("iter-")) for p in paths if "/policy/" in p})
+
+
+def test_pruned_policies_leave_those_a_resume_and_the_next_stages_read(tmp_path, monkeypatch, capsys):
+    """every=2, keep=1, prune_policies over 6 iterations, checkpointed one after another
+    (the updates store the optimizer states of iterations 1, 3 and 5 only): after each
+    checkpoint the policies left are those of the kept states and every one from the
+    latest stored state on; the run resumes after its last iteration, whose checkpoint
+    names only what is stored; and ``drmas eval`` of a pruned iteration says so."""
+    from drmas.cli import main
+    from drmas.stages.iteration import evaluation_outputs
+
+    monkeypatch.setattr("drmas.stages.checkpoint.check_policy", lambda *args: None)  # the policies are fakes
+    overrides = ["checkpoint.every=2", "checkpoint.keep=1", "checkpoint.prune_policies=true", "experiment.iterations=6"]
+    config, store = stored_run(tmp_path, 6, *overrides)
+    for i in range(6):
+        if not config.stores_optimizer(i):
+            for group in config.worker_groups():
+                store.delete(optim_path(config.experiment.name, RUN, i, group.name))
+    left = []
+    for i in range(6):
+        checkpoint(config, store, RUN, i, {})
+        for path in evaluation_outputs(config, RUN, i):  # as the evaluations after it write them
+            with store.writer(path) as out:
+                out.write_json("metrics.json", {})
+        left.append([p for p in policy_iterations(config, store) if p <= i])
+    assert left == [[0], [1], [1, 2], [1, 3], [3, 4], [3, 5]]
+    assert resume_point(config, store, RUN).next_iteration == 6
+
+    with store.writer(f"{run_path(config.experiment.name, RUN)}/run") as out:  # the run's record
+        out.write_json("run.json", {})
+    cli = [f"store.root={tmp_path / 'store'}", "workers.sharing=none", *overrides]
+    assert main(["eval", str(ROOT / "configs" / "math_tiny.yaml"), "--run-id", RUN, "--iteration", "4", *cli]) == 1
+    assert "iter-000004/policy/solver: the policy of iteration 4 is no longer stored" in capsys.readouterr().err
+
+
+def test_the_default_keeps_every_policy(tmp_path):
+    config, store = stored_run(tmp_path, 4, "checkpoint.every=2", "checkpoint.keep=1")
+    for i in range(4):
+        checkpoint(config, store, RUN, i, {})
+    assert policy_iterations(config, store) == [0, 1, 2, 3]

@@ -456,6 +456,12 @@ def _eval(args: argparse.Namespace) -> int:
                 g.name: PolicyRef(current_update(store, experiment, args.run_id, iteration, g.name)[0])
                 for g in config.worker_groups()
             }
+            if gone := [ref.artifact for ref in policies.values() if not store.exists(ref.artifact)]:
+                return fail(
+                    "eval",
+                    f"{store.uri(gone[0])}: the policy of iteration {iteration} is no longer stored "
+                    "(checkpoint.prune_policies keeps those of the kept optimizer states and the last ones)",
+                )
             with ray_session(config), RayPool(config, store) as pool:
                 metrics = evaluate(config, store, path, policies, pool).metrics
     except _stopping_errors() as error:

@@ -578,6 +578,12 @@ class CheckpointConfig(Section):
     every iteration's (a rerun of any update needs the optimizer state before it)."""
     keep: int | None = Field(None, ge=1)
     """Of the every-N-th optimizer states (the latest aside), keep only the last N; unset: all."""
+    prune_policies: bool = False
+    """Also delete the policy of each iteration before the latest stored optimizer state
+    whose own optimizer state is not kept (``every``, ``keep``): the policies that stay
+    are those a resume, a rerun of an update or an evaluation can start from (the kept
+    states' iterations, and every iteration from the latest stored state on). False: every
+    iteration's policy stays (lineage; ~0.26 GB an iteration for SmolLM2-135M in bf16)."""
 
 
 class FinalEvalConfig(Section):

@@ -30,6 +30,7 @@ from drmas.infra.layout import (
     current_update,
     init_policy_path,
     optim_path,
+    policy_path,
     run_path,
     split_iteration_path,
     stage_path,
@@ -100,6 +101,7 @@ def checkpoint(
         out.write_json("checkpoint.json", {"iteration": iteration, "worker_groups": groups})
         out.write_json("metrics.json", metrics)
     prune_optimizer_states(config, store, run_id, iteration)
+    prune_policies(config, store, run_id, iteration)
     return StageResult(path, metrics)
 
 
@@ -129,6 +131,31 @@ def prune_optimizer_states(config: DrmasConfig, store: Store, run_id: str, itera
             state = optim_path(experiment, run_id, i, group.name)
             for number in stored_versions(store, state):
                 store.delete(versioned(state, number))
+    return doomed
+
+
+def prune_policies(config: DrmasConfig, store: Store, run_id: str, iteration: int) -> list[int]:
+    """With ``checkpoint.prune_policies``, delete the policies of the iterations before the
+    latest stored optimizer state (up to ``iteration``) whose optimizer state is not kept
+    (after ``prune_optimizer_states``); returns their iterations. Nothing reads them again:
+    a resume starts from the latest stored state, a rerun of one of their stages is refused
+    for want of the optimizer state before it, and each later stage reads the policies
+    from the latest stored state on. Manifest first, as for the optimizer states."""
+    if not config.checkpoint.prune_policies:
+        return []
+    experiment = config.experiment.name
+    found = [f for f in map(split_iteration_path, store.list(run_path(experiment, run_id))) if f is not None]
+    states = {i for _, i, what in found if what.startswith("optim/") and i <= iteration}
+    if not states:
+        return []
+    latest = max(states)
+    policies = sorted({i for _, i, what in found if what.startswith("policy/")})
+    doomed = [i for i in policies if i < latest and i not in states]
+    for i in doomed:
+        for group in config.worker_groups():
+            policy = policy_path(experiment, run_id, i, group.name)
+            for number in stored_versions(store, policy):
+                store.delete(versioned(policy, number))
     return doomed
 
 
