@@ -38,6 +38,7 @@ from drmas.generation.lora import ADAPTER_CONFIG, lora_base, merge_lora, read_ad
 from drmas.generation.named_pool import free_pool
 from drmas.infra.cpus import cpu_threads
 from drmas.infra.layout import PolicyRef
+from drmas.infra.memory import return_freed_memory
 from drmas.infra.progress import relay_progress, relayed
 from drmas.infra.store import Artifact, Store, StoreLocation
 
@@ -318,6 +319,7 @@ class WorkerGroupRuntime:
         finally:
             gc.collect()
             _empty_device_cache()
+            return_freed_memory()  # the host's: glibc would keep the update's peak for the run
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -373,6 +375,7 @@ class WorkerGroupRuntime:
             generations = self.engine.generate(
                 prompts, sampling, self.stop_ids, request_seeds(seed, first, len(prompts))
             )
+        return_freed_memory()  # a large call's KV room, which glibc would keep
         return [
             GenerationResult(
                 prompt_ids=prompt,
