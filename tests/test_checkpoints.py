@@ -1,6 +1,7 @@
 """Checkpoints that fit a disk: the optimizer state is stored every ``checkpoint.every``-th
 iteration and after the last (the pool holds it in between); the checkpoint stage keeps the
-last ``checkpoint.keep`` of them and the latest, and deletes the rest; policies are all kept,
+last ``checkpoint.keep`` every-N-th ones (the latest among them when it is one) and the
+latest, and deletes the rest; policies are all kept,
 or with ``checkpoint.prune_policies`` only those a resume or a later stage can read; a resume
 starts from the latest iteration whose optimizer state was stored."""
 
@@ -41,7 +42,7 @@ def optim_iterations(config, store) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize(
     ("every", "keep", "left"),
-    [(2, 1, [3, 5]), (2, None, [1, 3, 5]), (4, 2, [3, 5]), (10, 1, [5])],
+    [(2, 1, [5]), (2, 2, [3, 5]), (2, None, [1, 3, 5]), (4, 2, [3, 5]), (4, 1, [3, 5]), (10, 1, [5])],
 )
 def test_only_the_every_nth_and_the_latest_optimizer_states_stay(tmp_path, every, keep, left):
     settings = [f"checkpoint.every={every}"] + ([f"checkpoint.keep={keep}"] if keep else [])
@@ -60,13 +61,16 @@ def test_the_default_keeps_every_optimizer_state(tmp_path):
 
 
 def test_the_checkpoint_stage_prunes_and_the_latest_checkpoint_stays_whole(tmp_path):
-    """Checkpointing iterations 0..3 one after another with every=2, keep=1: the states of
-    iteration 1 and of the latest stay. The latest checkpoint (where a resume starts) names
-    only states that exist, unchanged."""
+    """Checkpointing iterations 0..3 one after another with every=2, keep=1: iteration 1's
+    state stays until iteration 3's, an every-2nd one too, is checkpointed; then only that.
+    The latest checkpoint (where a resume starts) names only states that exist, unchanged."""
     config, store = stored_run(tmp_path, 4, "checkpoint.every=2", "checkpoint.keep=1")
+    left = []
     for i in range(4):
         checkpoint(config, store, RUN, i, {})
-    assert optim_iterations(config, store) == {"solver": [1, 3], "verifier": [1, 3]}
+        left.append([s for s in optim_iterations(config, store)["solver"] if s <= i])
+    assert left == [[0], [1], [1, 2], [3]]
+    assert optim_iterations(config, store) == {"solver": [3], "verifier": [3]}
     latest = store.open(f"{run_path(config.experiment.name, RUN)}/iter-000003/checkpoint").read_json("checkpoint.json")
     for entry in latest["worker_groups"].values():
         assert store.fingerprint(entry["optim"]) == entry["optim_manifest"]
@@ -140,7 +144,7 @@ def test_pruned_policies_leave_those_a_resume_and_the_next_stages_read(tmp_path,
             with store.writer(path) as out:
                 out.write_json("metrics.json", {})
         left.append([p for p in policy_iterations(config, store) if p <= i])
-    assert left == [[0], [1], [1, 2], [1, 3], [3, 4], [3, 5]]
+    assert left == [[0], [1], [1, 2], [3], [3, 4], [5]]
     assert resume_point(config, store, RUN).next_iteration == 6
 
     with store.writer(f"{run_path(config.experiment.name, RUN)}/run") as out:  # the run's record

@@ -577,7 +577,9 @@ class CheckpointConfig(Section):
     bit-exact on CPU). The policy is stored every iteration (lineage, eval, rerun). 1:
     every iteration's (a rerun of any update needs the optimizer state before it)."""
     keep: int | None = Field(None, ge=1)
-    """Of the every-N-th optimizer states (the latest aside), keep only the last N; unset: all."""
+    """Of the every-N-th optimizer states, keep only the last N (the latest stored state
+    stays too, where a resume starts: a run of 60 iterations with every 20 and keep 1 ends
+    with one state, iteration 59's); unset: all."""
     prune_policies: bool = False
     """Also delete the policy of each iteration before the latest stored optimizer state
     whose own optimizer state is not kept (``every``, ``keep``): the policies that stay

@@ -108,7 +108,8 @@ def checkpoint(
 def prune_optimizer_states(config: DrmasConfig, store: Store, run_id: str, iteration: int) -> list[int]:
     """Delete the optimizer states of the iterations before ``iteration`` that
     ``checkpoint.every`` and ``checkpoint.keep`` do not keep (after ``iteration`` is
-    checkpointed), never the latest stored one (where a resume starts); returns their
+    checkpointed: the last ``keep`` every-N-th states, ``iteration``'s among them when it
+    is one), never the latest stored one (where a resume starts); returns their
     iterations. Each goes manifest first, so a kill leaves no half-deleted state that
     a reader could take for a whole one."""
     every, keep = config.checkpoint.every, config.checkpoint.keep
@@ -123,7 +124,7 @@ def prune_optimizer_states(config: DrmasConfig, store: Store, run_id: str, itera
         }
     )
     older = [i for i in stored if i < iteration]
-    milestones = [i for i in older if (i + 1) % every == 0]
+    milestones = [i for i in stored if i <= iteration and (i + 1) % every == 0]  # the latest counts if it is one
     kept = set(milestones[-keep:] if keep else milestones) | set(stored[-1:])  # the latest: where a resume starts
     doomed = [i for i in older if i not in kept]
     for i in doomed:
