@@ -38,8 +38,9 @@ from transformers.cache_utils import DynamicLayer
 
 from drmas.config import SamplingConfig
 from drmas.generation.engines.base import Generation
+from drmas.generation.engines.fused import FusedDecoder, supports
 
-__all__ = ["RequestSampler", "ReservedLayer", "decode", "drop_rows", "left_pad", "reserved_cache"]
+__all__ = ["RequestSampler", "ReservedLayer", "decode", "drop_rows", "left_pad", "reserved_cache", "top_candidates"]
 
 
 class RequestSampler:
@@ -65,29 +66,30 @@ class RequestSampler:
         """The next token of each row (``requests[i]`` is row i's request) and its log-prob
         under the temperature-scaled distribution (before top-k/top-p: what the update
         recomputes): ``([A], [A])`` from ``[A, V]`` logits."""
-        logprobs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        scaled = logits.float() / self.temperature
+        normaliser = torch.logsumexp(scaled, dim=-1, keepdim=True)  # [A, 1]
         if self.greedy:
-            tokens = logprobs.argmax(dim=-1)
+            tokens = scaled.argmax(dim=-1)
         else:
-            probs, candidates = self._nucleus(logprobs)
+            probs, candidates = self._nucleus(scaled, normaliser)
             picks = [
                 torch.multinomial(probs[row], 1, generator=self.generators[request])
                 for row, request in enumerate(requests)
             ]
             tokens = candidates.gather(-1, torch.stack(picks)).squeeze(-1)
-        return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        return tokens, (scaled.gather(-1, tokens.unsqueeze(-1)) - normaliser).squeeze(-1)
 
-    def _nucleus(self, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _nucleus(self, scaled: torch.Tensor, normaliser: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampling probabilities ``[A, K]`` over each row's ``K`` most likely tokens
         (their ids ``[A, K]``), zero outside top-k and the top-p nucleus."""
-        vocab = logprobs.shape[-1]
+        vocab = scaled.shape[-1]
         if self.top_p >= 1.0 and not self.top_k:  # the whole distribution
-            return logprobs.exp(), torch.arange(vocab, device=logprobs.device).expand_as(logprobs)
+            return (scaled - normaliser).exp(), torch.arange(vocab, device=scaled.device).expand_as(scaled)
         limit = min(self.top_k, vocab) if self.top_k else vocab
         count = limit if self.top_p >= 1.0 else min(self.CANDIDATES, limit)
         while True:
-            top, candidates = logprobs.topk(count, dim=-1)  # sorted, most likely first
-            probs = top.exp()
+            top, candidates = top_candidates(scaled, count)  # sorted, most likely first
+            probs = (top - normaliser).exp()
             if self.top_k:
                 probs = probs / probs.sum(dim=-1, keepdim=True)  # top-k renormalises first
             if self.top_p >= 1.0:
@@ -100,11 +102,38 @@ class RequestSampler:
         return probs * keep, candidates
 
 
+CHUNK = 64
+"""Vocabulary entries per chunk in ``top_candidates``."""
+
+
+def top_candidates(scores: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scores.topk(count)`` (values and ids, largest first) in half its time on a large
+    vocabulary: the ``count`` largest scores lie in the ``count`` chunks of ``CHUNK``
+    entries with the largest maxima (a score among them has at most ``count - 1`` above
+    it, so at most that many chunks have a larger maximum than its own), so only those
+    chunks are searched."""
+    rows, vocab = scores.shape
+    if vocab % CHUNK or count * CHUNK * 4 > vocab:
+        return scores.topk(count, dim=-1)
+    maxima = scores.view(rows, vocab // CHUNK, CHUNK).amax(dim=-1)
+    chunks = maxima.topk(count, dim=-1).indices  # [A, count]
+    ids = (chunks.unsqueeze(-1) * CHUNK + torch.arange(CHUNK, device=scores.device)).view(rows, count * CHUNK)
+    top, where = scores.gather(-1, ids).topk(count, dim=-1)
+    return top, ids.gather(-1, where)
+
+
 def decode(
-    model: torch.nn.Module, prompts: list[list[int]], sampling: SamplingConfig, stop_ids: list[int], seeds: list[int]
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    sampling: SamplingConfig,
+    stop_ids: list[int],
+    seeds: list[int],
+    fused: bool = True,
 ) -> list[Generation]:
     """Sample a response to every prompt (``seeds[i]`` seeding request i), up to
-    ``sampling.max_new_tokens`` tokens or a stop token (kept)."""
+    ``sampling.max_new_tokens`` tokens or a stop token (kept). The decode steps go through
+    ``FusedDecoder`` where it knows the model (unless ``fused`` is false), through the
+    model's forward otherwise."""
     device = next(model.parameters()).device
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else stop_ids[0]
     distinct = list(dict.fromkeys(tuple(prompt) for prompt in prompts))
@@ -112,6 +141,7 @@ def decode(
     cache = reserved_cache(model, max(len(prompt) for prompt in distinct) + sampling.max_new_tokens)
     forward = _forward_with(model, cache)
     logits, attention_mask = _prefill(forward, cache, distinct, pad_id, device)
+    step_with = FusedDecoder(model) if fused and supports(model) and _reserved(cache) else None
     # One row per request from here on: the prompt's prefill, copied.
     copies = torch.tensor([prompt_row[tuple(prompt)] for prompt in prompts], device=device)
     cache.reorder_cache(copies)
@@ -136,7 +166,10 @@ def decode(
             index = torch.tensor(order, device=device)
             tokens, attention_mask, next_position = tokens[index], attention_mask[index], next_position[index]
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=-1)
-        logits = forward(tokens.unsqueeze(-1), attention_mask, next_position.unsqueeze(-1))
+        if step_with is None:
+            logits = forward(tokens.unsqueeze(-1), attention_mask, next_position.unsqueeze(-1))
+        else:
+            logits = step_with.step(tokens, next_position, attention_mask, cache)
         next_position = next_position + 1
     stop_set = set(stop_ids)
     return [
@@ -268,6 +301,11 @@ class ReservedLayer(DynamicLayer):
             self.value_room[targets, :, :length] = self.value_room[sources, :, :length]
         rows = len(order)
         self.keys, self.values = self.key_room[:rows, :, :length], self.value_room[:rows, :, :length]
+
+
+def _reserved(cache: DynamicCache) -> bool:
+    """Whether every layer of ``cache`` keeps full attention in reserved room."""
+    return all(type(layer) is ReservedLayer for layer in cache.layers)
 
 
 def reserved_cache(model: torch.nn.Module, room: int) -> DynamicCache:

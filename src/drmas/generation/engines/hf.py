@@ -39,8 +39,10 @@ class HFEngine:
     128: 344 tokens/s, +1.4 GB; all 256 at once: 372 tokens/s, +2.7 GB (a CPU decode step
     still gains from more rows up to a few hundred)."""
 
-    def __init__(self, dtype: str = "float32") -> None:
+    def __init__(self, dtype: str = "float32", fused_step: bool = True) -> None:
         self.dtype = dtype
+        self.fused_step = fused_step
+        """Decode steps through ``FusedDecoder`` where it knows the model (``decode``)."""
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model: torch.nn.Module | None = None
         self.on_device = False
@@ -89,6 +91,7 @@ class HFEngine:
                 sampling,
                 stop_ids,
                 seeds[start : start + self.MAX_ROWS],
+                fused=self.fused_step,
             )
         ]
 
