@@ -123,6 +123,7 @@ def top_candidates(scores: torch.Tensor, count: int) -> tuple[torch.Tensor, torc
     return top, ids.gather(-1, where)
 
 
+@torch.no_grad()
 def decode(
     model: torch.nn.Module,
     prompts: list[list[int]],
