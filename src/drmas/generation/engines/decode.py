@@ -66,8 +66,9 @@ class RequestSampler:
         """The next token of each row (``requests[i]`` is row i's request) and its log-prob
         under the temperature-scaled distribution (before top-k/top-p: what the update
         recomputes): ``([A], [A])`` from ``[A, V]`` logits."""
-        scaled = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # row-major, whatever
-        torch.div(logits, self.temperature, out=scaled)  # the layout of the logits (``FusedDecoder.logits``)
+        # Row-major whatever the logits' layout (``FusedDecoder.logits`` gives them transposed).
+        scaled = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        torch.div(logits, self.temperature, out=scaled)
         normaliser = torch.logsumexp(scaled, dim=-1, keepdim=True)  # [A, 1]
         if self.greedy:
             tokens = scaled.argmax(dim=-1)

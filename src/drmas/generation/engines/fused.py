@@ -1,8 +1,8 @@
 """A decode step for Llama-shaped decoders in fewer ops than the model's own forward.
 
-On a CPU a rollout's decode step is bound by per-op overhead, not by its matmuls (issue 30:
-a 32-row SmolLM2-135M step of 109 ms spends 71 ms in matmuls; the model's other ~40 ops a
-layer, the mask and rotary set-up and transformers' module plumbing take the rest). As
+On a CPU part of a rollout's decode step is per-op overhead (issue 30: a 32-row
+SmolLM2-135M step of 109 ms on an AMX Xeon spent 71 ms in matmuls; the model's other ~40 ops
+a layer, the mask and rotary set-up and transformers' module plumbing took the rest). As
 inference engines do with their own model code (SGLang's and vLLM's ``LlamaForCausalLM``
 with ``QKVParallelLinear`` and ``MergedColumnParallelLinear``), one step here:
 
@@ -12,7 +12,7 @@ with ``QKVParallelLinear`` and ``MergedColumnParallelLinear``), one step here:
   copies into the views) land in the fused tensor;
 - rotates q and k together, with cos/sin computed once a step by the model's own rotary
   module (its scaling types included) and ``rotate_half``'s sign folded into sin;
-- adds the residuals inside the output projections' matmuls (``addmm``);
+- adds the residuals in place;
 - attends the way transformers' SDPA path does at one query (the query heads of a key/value
   head as that head's queries: one SDPA call, no repeated keys), over the ``ReservedLayer``
   rooms the prefill wrote.
@@ -61,7 +61,7 @@ def _plain(layer: torch.nn.Module) -> bool:
     return all(type(linear) is torch.nn.Linear for linear in [*projections, mlp.gate_proj, mlp.up_proj, mlp.down_proj])
 
 
-_fused: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.Tensor]] = weakref.WeakKeyDictionary()
+_fused: weakref.WeakKeyDictionary[torch.nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
 def fuse_projections(linears: list[torch.nn.Linear]) -> torch.Tensor:
@@ -70,9 +70,9 @@ def fuse_projections(linears: list[torch.nn.Linear]) -> torch.Tensor:
     are already views of one tensor returns it (if something replaced a weight since, such
     as ``module.to`` moving it, they are laid out again)."""
     first = linears[0]
-    for fused in _fused.get(first, []):
-        if _views_of(fused, [linear.weight for linear in linears]):
-            return fused
+    fused = _fused.get(first)
+    if fused is not None and _views_of(fused, [linear.weight for linear in linears]):
+        return fused
     with torch.no_grad():
         fused = torch.cat([linear.weight for linear in linears])
         start = 0
@@ -80,7 +80,7 @@ def fuse_projections(linears: list[torch.nn.Linear]) -> torch.Tensor:
             rows = linear.weight.shape[0]
             linear.weight.data = fused[start : start + rows]
             start += rows
-    _fused.setdefault(first, []).append(fused)
+    _fused[first] = fused  # the one laid out last: an earlier one is no longer viewed
     return fused
 
 
@@ -156,7 +156,7 @@ class FusedDecoder:
                 query.reshape(rows, self.kv_heads, groups, self.head_dim), keys, values, attn_mask=allowed
             )
             hidden.add_(_linear(attended.reshape(rows, -1), weights.out, weights.out_bias))
-            gate, up = _split(_norm(weights.post_norm, hidden) @ weights.gate_up.t())
+            gate, up = (_norm(weights.post_norm, hidden) @ weights.gate_up.t()).chunk(2, dim=-1)
             hidden.add_((F.silu(gate) * up) @ weights.down.t())
         return self.logits(_norm(self.final_norm, hidden))
 
@@ -167,11 +167,6 @@ class FusedDecoder:
         logits come out transposed (``RequestSampler.draw`` reads them in any layout)."""
         head = torch.mm(self.lm_head.weight, hidden.t()).t()
         return head if self.lm_head.bias is None else head + self.lm_head.bias
-
-
-def _split(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    half = gate_up.shape[-1] // 2
-    return gate_up[:, :half], gate_up[:, half:]
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
