@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from drmas.config import SamplingConfig
 from drmas.generation.engines import decode as decoding
+from drmas.generation.engines import fused
 from drmas.generation.engines.fused import FusedDecoder, fuse_projections, supports
 from drmas.generation.engines.hf import HFEngine
 
@@ -139,13 +140,48 @@ def test_weights_replaced_since_are_laid_out_again():
     attention = model.model.layers[1].self_attn
     with torch.no_grad():
         attention.v_proj.weight.data = attention.v_proj.weight.data.clone() * 2
+    logits, expected = _one_step(model)
+    assert torch.allclose(logits, expected, atol=1e-5)
+
+
+def test_weights_an_optimizer_wrote_are_packed_again():
+    """On a CPU the step multiplies by weights packed once in oneDNN's layout; after an
+    optimizer step (in place, as a trainer sharing the model would take it) the next decode
+    step packs them again and computes with the new weights, not the packed old ones."""
+    model = tiny("qwen2")
+    _one_step(model)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    qkv = FusedDecoder(model).layers[0].qkv
+    first = fused.packed(qkv.weight, qkv.parts)
+    assert first is not None and fused.packed(qkv.weight, qkv.parts) is first  # packed once
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(input_ids=torch.tensor([PROMPTS[0]]), labels=torch.tensor([PROMPTS[0]])).loss.backward()
+    optimizer.step()
+    assert q_proj.weight.grad.abs().sum() > 0
+    logits, expected = _one_step(model)
+    assert fused.packed(qkv.weight, qkv.parts) is not first
+    assert torch.allclose(logits, expected, atol=1e-5), (logits - expected).abs().max()
+
+
+def test_a_bfloat16_model_steps_as_its_forward_does():
+    """bfloat16 weights: packed where the CPU has oneDNN's bf16 kernels (AVX-512 or
+    AVX-NE-CONVERT), multiplied plainly where it does not; the logits those of the forward
+    within bf16 rounding either way."""
+    model = tiny("llama").to(torch.bfloat16)
+    logits, expected = _one_step(model)
+    assert logits.dtype == torch.bfloat16
+    assert torch.allclose(logits.float(), expected.float(), atol=0.1, rtol=0.02), (logits - expected).abs().max()
+
+
+def _one_step(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step after ``PROMPTS``: the fused step's logits and the forward's."""
     cache, mask, positions = _prefilled(model)
     reference, _, _ = _prefilled(model)
     mask = torch.cat([mask, torch.ones(4, 1, dtype=mask.dtype)], dim=-1)
     tokens = torch.tensor([30, 31, 32, 33])
     with torch.no_grad():
         expected = decoding._forward_with(model, reference)(tokens[:, None], mask, positions[:, None])
-        assert torch.allclose(FusedDecoder(model).step(tokens, positions, mask, cache), expected, atol=1e-5)
+        return FusedDecoder(model).step(tokens, positions, mask, cache), expected
 
 
 @pytest.mark.parametrize(("rows", "vocab", "count"), [(5, 4096, 16), (3, 49152, 64), (4, 1000, 8), (2, 512, 64)])

@@ -66,7 +66,7 @@ class RequestSampler:
         """The next token of each row (``requests[i]`` is row i's request) and its log-prob
         under the temperature-scaled distribution (before top-k/top-p: what the update
         recomputes): ``([A], [A])`` from ``[A, V]`` logits."""
-        # Row-major whatever the logits' layout (``FusedDecoder.logits`` gives them transposed).
+        # A row-major float32 copy, whatever the logits' dtype and layout.
         scaled = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         torch.div(logits, self.temperature, out=scaled)
         normaliser = torch.logsumexp(scaled, dim=-1, keepdim=True)  # [A, 1]

@@ -23,7 +23,8 @@ class HFEngine:
     a fixed cost of every rollout, ~1 s for a 135M model, for no memory saved, since the
     handed-over weights were kept beside it). An update's weights handed over in memory
     (``set_weights``) are copied into the model, wherever it is, so the engine holds one
-    copy of its weights.
+    copy of its weights, and on a CPU the fused decode step's packed copy of the linear
+    layers' (``fused.packed``: 1.3x faster decoding; packed again after each hand-over).
 
     Each request samples from its own random stream (its seed), so a response does not
     depend on its batch-mates: the same requests split over any number of engines sample
