@@ -104,15 +104,17 @@ def _views_of(fused: torch.Tensor, weights: list[torch.Tensor]) -> bool:
 class _Projection:
     """A linear map of the fused step: ``weight`` (one projection's, or several side by
     side), its bias, and the parameters it is made of (``parts``: those an optimizer step
-    or ``load_state_dict`` writes)."""
+    or ``load_state_dict`` writes). Its packed weight is looked up once, when the decoder
+    is built (once a ``decode`` call: the weights do not change during one), not at every
+    step."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, parts: list[torch.Tensor]) -> None:
         self.weight, self.bias, self.parts = weight, bias, parts
+        self.packed = packed(weight, parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight = packed(self.weight, self.parts)
-        if weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return x @ self.weight.t() if self.bias is None else torch.addmm(self.bias, x, self.weight.t())
 
 
@@ -175,7 +177,8 @@ def _linear_of(linear: torch.nn.Linear) -> _Projection:
 class FusedDecoder:
     """The decode step of ``model`` (``supports`` it): token ids ``[A]`` at positions
     ``[A]`` -> next-token logits ``[A, V]``, their keys and values appended to the
-    cache's rooms."""
+    cache's rooms. It reads the weights as they are when it is built: build one after
+    they change."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         config = model.config
